@@ -1,0 +1,1 @@
+"""engram_train: DeepSeek Engram conditional memory for megatron-core GPT models."""
