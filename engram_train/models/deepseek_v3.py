@@ -1,0 +1,85 @@
+"""DeepSeek-V3-style backbone: MLA attention, MoE (routed + shared experts, first-k dense),
+RMSNorm, RoPE, SwiGLU. Presets are plain dicts of megatron config fields so a YAML file can
+hold them and a user can override any field.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer import MLATransformerConfig
+
+# Fields that every DeepSeek-V3-style model shares; presets add sizes.
+DEEPSEEK_V3_COMMON: dict[str, Any] = dict(
+    multi_latent_attention=True,
+    normalization="RMSNorm",
+    layernorm_epsilon=1e-6,
+    add_bias_linear=False,
+    gated_linear_unit=True,
+    activation_func=F.silu,
+    bias_activation_fusion=False,
+    masked_softmax_fusion=False,
+    bias_dropout_fusion=False,
+    apply_rope_fusion=False,
+    persist_layer_norm=False,
+    gradient_accumulation_fusion=False,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+    rope_type="rope",
+    moe_router_score_function="sigmoid",
+    moe_router_enable_expert_bias=True,
+    moe_router_bias_update_rate=1e-3,
+    moe_router_load_balancing_type="seq_aux_loss",
+    moe_aux_loss_coeff=1e-4,
+    moe_router_pre_softmax=False,
+    moe_grouped_gemm=False,
+    moe_token_dispatcher_type="allgather",
+    moe_router_dtype="fp32",
+)
+
+DEEPSEEK_V3_TINY: dict[str, Any] = dict(
+    num_layers=4,
+    hidden_size=64,
+    num_attention_heads=4,
+    ffn_hidden_size=128,
+    q_lora_rank=32,
+    kv_lora_rank=32,
+    qk_head_dim=16,
+    qk_pos_emb_head_dim=8,
+    v_head_dim=16,
+    num_moe_experts=4,
+    moe_router_topk=2,
+    moe_ffn_hidden_size=32,
+    moe_shared_expert_intermediate_size=32,
+    first_k_dense_replace=1,
+)
+
+
+def moe_layer_freq(num_layers: int, first_k_dense_replace: int) -> list[int]:
+    """DeepSeek-V3's layout: the first k layers are dense, the rest MoE."""
+    if not 0 <= first_k_dense_replace <= num_layers:
+        raise ValueError(
+            f"first_k_dense_replace={first_k_dense_replace} must be in [0, num_layers={num_layers}]"
+        )
+    return [0] * first_k_dense_replace + [1] * (num_layers - first_k_dense_replace)
+
+
+def backbone_config_kwargs(fields: dict[str, Any]) -> dict[str, Any]:
+    """Megatron config kwargs from a preset: DeepSeek-V3 defaults, then the preset's fields."""
+    kwargs = dict(DEEPSEEK_V3_COMMON)
+    kwargs.update(fields)
+    first_k = kwargs.pop("first_k_dense_replace", None)
+    if first_k is not None and kwargs.get("num_moe_experts"):
+        kwargs["moe_layer_freq"] = moe_layer_freq(kwargs["num_layers"], first_k)
+    if isinstance(kwargs.get("activation_func"), str):
+        kwargs["activation_func"] = {"silu": F.silu, "gelu": F.gelu}[kwargs["activation_func"]]
+    if not torch.cuda.is_available():
+        kwargs.setdefault("use_cpu_initialization", True)
+    return kwargs
+
+
+def deepseek_v3_config(config_class: type = MLATransformerConfig, **fields: Any):
+    """A megatron (MLA) transformer config for a DeepSeek-V3-style model."""
+    return config_class(**backbone_config_kwargs(fields))

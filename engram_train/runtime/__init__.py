@@ -1,0 +1,24 @@
+"""Process start-up: distributed init, megatron parallel state, CPU compatibility."""
+
+from engram_train.runtime.cpu_compat import install_cpu_compat, is_installed, uninstall_cpu_compat
+from engram_train.runtime.distributed import (
+    ParallelSizes,
+    destroy_distributed,
+    device,
+    initialize_distributed,
+    set_seed,
+)
+from engram_train.runtime.megatron_fixes import apply_megatron_fixes, transformer_engine_available
+
+__all__ = [
+    "ParallelSizes",
+    "apply_megatron_fixes",
+    "destroy_distributed",
+    "device",
+    "initialize_distributed",
+    "install_cpu_compat",
+    "is_installed",
+    "set_seed",
+    "transformer_engine_available",
+    "uninstall_cpu_compat",
+]

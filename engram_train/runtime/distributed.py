@@ -1,0 +1,128 @@
+"""Start and stop a job: torch.distributed, megatron parallel_state, seeds.
+
+One entry point for every launcher (torchrun, a test, a single process): NCCL when CUDA is
+present, gloo otherwise (with the CPU compatibility layer installed first).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from engram_train.runtime.cpu_compat import install_cpu_compat
+from engram_train.runtime.megatron_fixes import apply_megatron_fixes
+
+
+@dataclass(frozen=True)
+class ParallelSizes:
+    """The model-parallel layout of a job; data parallel is what remains of the world."""
+
+    tensor: int = 1
+    pipeline: int = 1
+    virtual_pipeline: int | None = None
+    expert: int = 1
+    context: int = 1
+
+    def validate(self, world_size: int) -> None:
+        for name in ("tensor", "pipeline", "expert", "context"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}_model_parallel_size must be >= 1, got {getattr(self, name)}")
+        model = self.tensor * self.pipeline * self.context
+        if world_size % model:
+            raise ValueError(
+                f"world size {world_size} is not divisible by tensor ({self.tensor}) x pipeline "
+                f"({self.pipeline}) x context ({self.context}) = {model}; change the parallel sizes "
+                f"or the number of processes"
+            )
+        dp = world_size // model
+        if (dp * self.context) % self.expert:
+            raise ValueError(
+                f"expert_model_parallel_size {self.expert} must divide data-parallel x context size "
+                f"{dp * self.context} (world {world_size} / tensor {self.tensor} / pipeline {self.pipeline})"
+            )
+
+
+def device() -> torch.device:
+    """The device this rank computes on."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def initialize_distributed(
+    parallel: ParallelSizes = ParallelSizes(),
+    seed: int = 1234,
+    timeout_minutes: int = 10,
+) -> None:
+    """Initialize torch.distributed (from torchrun's env, or as a single process) and megatron.
+
+    Safe to call once per process; ``destroy_distributed`` undoes it.
+    """
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        install_cpu_compat()
+    apply_megatron_fixes()
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        rank = int(os.environ.setdefault("RANK", "0"))
+        world = int(os.environ.setdefault("WORLD_SIZE", "1"))
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(
+            backend="nccl" if cuda else "gloo",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(minutes=timeout_minutes),
+        )
+    parallel.validate(dist.get_world_size())
+
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=parallel.tensor,
+        pipeline_model_parallel_size=parallel.pipeline,
+        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline,
+        context_parallel_size=parallel.context,
+        expert_model_parallel_size=parallel.expert,
+        distributed_timeout_minutes=timeout_minutes,
+    )
+    set_seed(seed)
+
+
+def set_seed(seed: int) -> None:
+    """Seed python, numpy, torch and megatron's model-parallel RNG tracker.
+
+    Each pipeline stage gets its own offset (as Megatron-LM does) so stages don't share
+    dropout masks; TP ranks are handled by megatron's tracker.
+    """
+    from megatron.core import parallel_state, tensor_parallel
+
+    seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def destroy_distributed() -> None:
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
