@@ -1,0 +1,37 @@
+"""Training data: tokenizer adapter, preprocessing, megatron GPT datasets, micro-batches.
+
+- `tokenizer`: `HFTokenizer`, megatron's tokenizer interface over a local ``tokenizer.json``.
+- `preprocess`: the ``engram-preprocess`` CLI, documents -> megatron ``.bin/.idx``.
+- `datasets`: `build_gpt_datasets`, train/valid/test ``GPTDataset``s from a blend of prefixes.
+- `batches`: `MicroBatchIterator` (data-parallel split, resumable) and `HashPrefetchIterator`
+  (Engram hash ids computed one micro-batch ahead on a CPU thread).
+
+Names are imported lazily: importing megatron-core takes seconds, and ``engram-preprocess
+--help`` should not.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "HFTokenizer": "tokenizer",
+    "TokenizerNotFoundError": "tokenizer",
+    "load_tokenizer": "tokenizer",
+    "build_gpt_datasets": "datasets",
+    "ensure_dataset_helpers": "datasets",
+    "DEMO_DATA_PREFIX": "datasets",
+    "DEMO_TOKENIZER": "datasets",
+    "MicroBatchIterator": "batches",
+    "HashPrefetchIterator": "batches",
+    "collate": "batches",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = importlib.import_module(f"{__name__}.{_EXPORTS[name]}")
+    return getattr(module, name)
