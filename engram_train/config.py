@@ -1,0 +1,315 @@
+"""Engram configuration: one dataclass that also composes with megatron's TransformerConfig.
+
+`EngramConfig` holds every Engram field with the paper's defaults. The composed classes
+`EngramTransformerConfig` and `EngramMLATransformerConfig` inherit from megatron's config and
+from `EngramConfig`, so one object carries all fields and one `__post_init__` validates them.
+They are built on first access so that `import engram_train` does not import megatron.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+EMBEDDING_PARALLEL_METHODS = ("alltoall", "allreduce")
+
+_BOOL_FIELDS = (
+    "use_engram",
+    "engram_offload_embedding_optimizer_states",
+    "engram_reset_at_eos",
+)
+_INT_FIELDS = (
+    "max_ngram_size",
+    "n_embed_per_ngram",
+    "n_head_per_ngram",
+    "engram_pad_id",
+    "engram_seed",
+    "engram_kernel_size",
+    "engram_hc_mult",
+    "engram_embedding_parallel_size",
+)
+_INT_LIST_FIELDS = ("engram_vocab_size", "engram_layer_ids")
+_FLOAT_FIELDS = ("engram_lr_multiplier", "engram_weight_decay", "engram_init_std")
+
+
+@dataclass
+class EngramConfig:
+    """Engram fields (spec sections 1-4). Engram checks run only when `use_engram` is True."""
+
+    use_engram: bool = False
+    """Add Engram branches to the layers in `engram_layer_ids`."""
+
+    engram_tokenizer_name_or_path: str | None = None
+    """Local `tokenizer.json`, or a folder holding it; defines the compressed vocabulary."""
+
+    engram_vocab_size: list[int] = field(default_factory=lambda: [1131200, 1131200])
+    """Minimum table size per n-gram order 2..N; each head gets the next unused prime above it."""
+
+    max_ngram_size: int = 3
+    """N: n-grams of orders 2..N are hashed."""
+
+    n_embed_per_ngram: int = 512
+    """Memory width per n-gram order, split evenly over its heads."""
+
+    n_head_per_ngram: int = 8
+    """H: hash heads (separate prime-sized tables) per n-gram order."""
+
+    engram_layer_ids: list[int] = field(default_factory=lambda: [1, 15])
+    """0-based global layer numbers that carry an Engram branch."""
+
+    engram_pad_id: int = 0
+    """Raw tokenizer id used to pad n-grams at the start of a row (its compressed id is used)."""
+
+    engram_seed: int = 0
+    """Seeds the hash multipliers and the partition-invariant table init."""
+
+    engram_kernel_size: int = 4
+    """Kernel of the short causal depthwise conv (dilation = max_ngram_size)."""
+
+    engram_hc_mult: int = 1
+    """G: residual streams (mHC); 1 for a plain backbone."""
+
+    engram_embedding_parallel_size: int = 1
+    """Ranks that share (row-shard) each Engram table with method 'alltoall'."""
+
+    engram_embedding_parallel_method: str = "alltoall"
+    """'alltoall' (own group, independent of TP) or 'allreduce' (vocab-parallel over TP)."""
+
+    engram_offload_embedding_optimizer_states: bool = False
+    """Keep the Engram tables' optimizer states (and fp32 master) in host memory."""
+
+    engram_lr_multiplier: float = 5.0
+    """Engram table learning rate = base learning rate x this (paper: 5)."""
+
+    engram_weight_decay: float = 0.0
+    """Weight decay of the Engram tables (paper: none)."""
+
+    engram_reset_at_eos: bool = False
+    """Opt-in: n-grams do not cross an EOS in packed sequences (the reference does not reset)."""
+
+    engram_eos_id: int | None = None
+    """Raw tokenizer id of EOS; required by `engram_reset_at_eos`."""
+
+    engram_init_std: float = 0.02
+    """Std of the normal init of Engram tables and projections."""
+
+    def __post_init__(self) -> None:
+        self._check_engram_types()
+        if self.use_engram:
+            self._check_engram_values()
+
+    # -- helpers for loaders ------------------------------------------------------------
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        """Names of the Engram fields (handy to split a YAML section from megatron's)."""
+        return tuple(f.name for f in dataclasses.fields(EngramConfig))
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]):
+        """Build from a mapping; unknown keys are an error rather than silently ignored."""
+        known = {f.name for f in dataclasses.fields(cls) if f.init}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(
+                f"{cls.__name__}.from_dict: unknown field(s) {unknown}; valid Engram fields are "
+                f"{list(cls.field_names())}. Fix the spelling or drop them."
+            )
+        return cls(**dict(values))
+
+    # -- validation ---------------------------------------------------------------------
+
+    def validate_num_layers(self, num_layers: int) -> None:
+        """Every Engram layer id must name a layer of the model."""
+        if not self.use_engram:
+            return
+        bad = [i for i in self.engram_layer_ids if i >= num_layers]
+        if bad:
+            raise ValueError(
+                f"engram_layer_ids {bad} are out of range for num_layers={num_layers}: "
+                f"ids are 0-based global layer numbers, use values in [0, {num_layers - 1}]."
+            )
+
+    def validate_hidden_size(self, hidden_size: int) -> None:
+        """The Engram gate and projections need a positive model width."""
+        if not self.use_engram:
+            return
+        if isinstance(hidden_size, bool) or not isinstance(hidden_size, numbers.Integral):
+            raise TypeError(f"hidden_size must be an int, got {hidden_size!r}.")
+        if hidden_size < 1:
+            raise ValueError(f"hidden_size={hidden_size} must be >= 1 for Engram layers.")
+
+    def _check_engram_types(self) -> None:
+        for name in _BOOL_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool (True/False), got {value!r}.")
+        for name in _INT_FIELDS:
+            _require_int(name, getattr(self, name))
+        for name in _INT_LIST_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+                # OmegaConf ListConfig is a Sequence; a bare int is the common mistake.
+                raise TypeError(f"{name} must be a list of ints, got {value!r}.")
+            for item in value:
+                _require_int(name, item, element=True)
+            setattr(self, name, [int(v) for v in value])
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise TypeError(f"{name} must be a number, got {value!r}.")
+            setattr(self, name, float(value))
+        if self.engram_eos_id is not None:
+            _require_int("engram_eos_id", self.engram_eos_id)
+        path = self.engram_tokenizer_name_or_path
+        if path is not None:
+            if not isinstance(path, (str, os.PathLike)):
+                raise TypeError(
+                    f"engram_tokenizer_name_or_path must be a path string, got {path!r}."
+                )
+            self.engram_tokenizer_name_or_path = os.fspath(path)
+        if not isinstance(self.engram_embedding_parallel_method, str):
+            raise TypeError(
+                "engram_embedding_parallel_method must be a string, one of "
+                f"{EMBEDDING_PARALLEL_METHODS}, got {self.engram_embedding_parallel_method!r}."
+            )
+
+    def _check_engram_values(self) -> None:
+        n = self.max_ngram_size
+        if n < 2:
+            raise ValueError(
+                f"max_ngram_size={n} must be >= 2: Engram hashes n-grams of orders 2..max_ngram_size."
+            )
+        if len(self.engram_vocab_size) != n - 1:
+            raise ValueError(
+                f"engram_vocab_size has {len(self.engram_vocab_size)} entries but "
+                f"max_ngram_size={n} needs {n - 1} (one per n-gram order 2..{n}): "
+                "give one table size per order."
+            )
+        small = [v for v in self.engram_vocab_size if v < 2]
+        if small:
+            raise ValueError(f"engram_vocab_size entries {small} must be >= 2 (table sizes).")
+        if self.n_head_per_ngram < 1:
+            raise ValueError(f"n_head_per_ngram={self.n_head_per_ngram} must be >= 1.")
+        if self.n_embed_per_ngram < 1 or self.n_embed_per_ngram % self.n_head_per_ngram:
+            raise ValueError(
+                f"n_embed_per_ngram={self.n_embed_per_ngram} must be a positive multiple of "
+                f"n_head_per_ngram={self.n_head_per_ngram}: each head's row width is "
+                "n_embed_per_ngram // n_head_per_ngram."
+            )
+        ids = self.engram_layer_ids
+        if not ids:
+            raise ValueError("engram_layer_ids is empty: list the layers to augment, or set use_engram=False.")
+        negative = [i for i in ids if i < 0]
+        if negative:
+            raise ValueError(
+                f"engram_layer_ids {negative} are negative: use 0-based global layer numbers."
+            )
+        duplicates = sorted({i for i in ids if ids.count(i) > 1})
+        if duplicates:
+            raise ValueError(f"engram_layer_ids repeats {duplicates}: list each layer once.")
+        if self.engram_pad_id < 0:
+            raise ValueError(f"engram_pad_id={self.engram_pad_id} must be a raw token id >= 0.")
+        if self.engram_seed < 0:
+            raise ValueError(f"engram_seed={self.engram_seed} must be >= 0 (numpy seeds are unsigned).")
+        if self.engram_kernel_size < 1:
+            raise ValueError(f"engram_kernel_size={self.engram_kernel_size} must be >= 1.")
+        if self.engram_hc_mult < 1:
+            raise ValueError(
+                f"engram_hc_mult={self.engram_hc_mult} must be >= 1 (1 for a plain backbone)."
+            )
+        if self.engram_embedding_parallel_size < 1:
+            raise ValueError(
+                f"engram_embedding_parallel_size={self.engram_embedding_parallel_size} must be >= 1."
+            )
+        method = self.engram_embedding_parallel_method
+        if method not in EMBEDDING_PARALLEL_METHODS:
+            raise ValueError(
+                f"engram_embedding_parallel_method={method!r} is unknown: use one of "
+                f"{EMBEDDING_PARALLEL_METHODS}."
+            )
+        if method == "allreduce" and self.engram_embedding_parallel_size != 1:
+            raise ValueError(
+                "engram_embedding_parallel_size only applies to engram_embedding_parallel_method="
+                "'alltoall'; 'allreduce' shards the tables over the tensor-parallel group: set "
+                "engram_embedding_parallel_size=1 or use 'alltoall'."
+            )
+        if not self.engram_tokenizer_name_or_path:
+            raise ValueError(
+                "engram_tokenizer_name_or_path is required when use_engram=True: give a local "
+                "tokenizer.json or the folder holding it."
+            )
+        if self.engram_reset_at_eos and self.engram_eos_id is None:
+            raise ValueError(
+                "engram_reset_at_eos=True needs engram_eos_id: set it to the tokenizer's raw EOS id."
+            )
+        if self.engram_eos_id is not None and self.engram_eos_id < 0:
+            raise ValueError(f"engram_eos_id={self.engram_eos_id} must be a raw token id >= 0.")
+        if not self.engram_lr_multiplier > 0:
+            raise ValueError(
+                f"engram_lr_multiplier={self.engram_lr_multiplier} must be > 0 (paper: 5.0)."
+            )
+        if self.engram_weight_decay < 0:
+            raise ValueError(f"engram_weight_decay={self.engram_weight_decay} must be >= 0.")
+        if not self.engram_init_std > 0:
+            raise ValueError(f"engram_init_std={self.engram_init_std} must be > 0.")
+
+
+def _require_int(name: str, value: Any, element: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        what = "entries" if element else "value"
+        raise TypeError(f"{name} {what} must be int, got {value!r}.")
+
+
+# -- composition with megatron-core ---------------------------------------------------------
+
+_COMPOSED = {
+    "EngramTransformerConfig": "TransformerConfig",
+    "EngramMLATransformerConfig": "MLATransformerConfig",
+}
+
+
+def _compose(name: str, megatron_cls: type) -> type:
+    """Dataclass inheriting megatron's config and EngramConfig; validates both, then num_layers."""
+
+    def __post_init__(self) -> None:
+        megatron_cls.__post_init__(self)
+        EngramConfig.__post_init__(self)
+        self.validate_num_layers(self.num_layers)
+        self.validate_hidden_size(self.hidden_size)
+
+    namespace = {
+        "__post_init__": __post_init__,
+        "__module__": __name__,
+        "__qualname__": name,
+        "__doc__": f"megatron {megatron_cls.__name__} plus every EngramConfig field.",
+    }
+    return dataclass(type(name, (megatron_cls, EngramConfig), namespace))
+
+
+def __getattr__(name: str) -> type:
+    # Built lazily: importing megatron takes seconds and most users of EngramConfig need not pay.
+    if name in _COMPOSED:
+        from megatron.core.transformer import transformer_config
+
+        cls = _compose(name, getattr(transformer_config, _COMPOSED[name]))
+        globals()[name] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+if TYPE_CHECKING:  # pragma: no cover - static view of the lazily built classes
+    from megatron.core.transformer.transformer_config import (
+        MLATransformerConfig,
+        TransformerConfig,
+    )
+
+    @dataclass
+    class EngramTransformerConfig(TransformerConfig, EngramConfig): ...
+
+    @dataclass
+    class EngramMLATransformerConfig(MLATransformerConfig, EngramConfig): ...
