@@ -1,0 +1,168 @@
+"""Multi-head Engram embedding: all heads of one layer in one row-shardable table.
+
+Every head's prime-sized table is concatenated into a single `weight` [rows, D] (row = hash +
+head offset), so sharding is a contiguous row range per rank and the optimizer sees one
+parameter per layer. A rank holds rows [row_start, row_end); on a single rank that is all rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from engram_train.engram.hashing import head_offsets
+
+INIT_BLOCK_ROWS = 4096
+"""Rows per independently seeded init block. Part of the init's definition: changing it
+changes every initial table value."""
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def init_block_seed(seed: int, layer_id: int, block: int) -> int:
+    """Seed of one init block, a well-mixed function of (seed, layer_id, block index)."""
+    h = _splitmix64(int(seed) & _MASK64)
+    h = _splitmix64(h ^ (int(layer_id) & _MASK64))
+    h = _splitmix64(h ^ (int(block) & _MASK64))
+    return h >> 1  # 63 bits: valid for every torch.Generator.manual_seed
+
+
+@torch.no_grad()
+def partition_invariant_normal_(
+    weight: torch.Tensor,
+    seed: int,
+    layer_id: int,
+    row_start: int,
+    std: float,
+    block_rows: int = INIT_BLOCK_ROWS,
+) -> torch.Tensor:
+    """Fill `weight` (global rows [row_start, row_start + len)) with N(0, std^2) such that
+    global row r's value depends only on (seed, layer_id, r, row width) and not on sharding.
+
+    Rows come in fixed blocks of `block_rows`, each drawn in full from a CPU generator seeded by
+    (seed, layer_id, block) and sliced, so any row range reproduces the single-rank values.
+    """
+    if weight.ndim != 2:
+        raise ValueError(f"expected a [rows, dim] table, got shape {tuple(weight.shape)}.")
+    if weight.is_meta or weight.shape[0] == 0:
+        return weight
+    num_rows, dim = weight.shape
+    row_end = row_start + num_rows
+    generator = torch.Generator(device="cpu")
+    block_values = torch.empty((block_rows, dim), dtype=torch.float32)
+    for block in range(row_start // block_rows, (row_end - 1) // block_rows + 1):
+        generator.manual_seed(init_block_seed(seed, layer_id, block))
+        block_values.normal_(mean=0.0, std=std, generator=generator)
+        first = block * block_rows
+        lo, hi = max(row_start, first), min(row_end, first + block_rows)
+        weight[lo - row_start : hi - row_start].copy_(block_values[lo - first : hi - first])
+    return weight
+
+
+def mark_engram_param(param: nn.Parameter, table: bool = False) -> nn.Parameter:
+    """Tag a parameter for the Engram optimizer group (`is_engram`); tables also get
+    `is_engram_table` (sparse rows: LR multiplier, no weight decay, optional host offload)."""
+    param.is_engram = True
+    if table:
+        param.is_engram_table = True
+    return param
+
+
+class MultiHeadEmbedding(nn.Module):
+    """Lookup of a layer's K head tables: hash ids [..., K] -> memory [..., K * D].
+
+    `weight` holds global rows [row_start, row_end) of the concatenated table; `offsets`
+    (int64 [K]) are the head starts. On a full table (single rank) `forward` is a plain gather;
+    a shard can do the masked partial lookup of vocab-parallel embeddings (`lookup_rows`).
+    """
+
+    def __init__(
+        self,
+        head_sizes: Sequence[int],
+        embedding_dim: int,
+        *,
+        layer_id: int,
+        seed: int = 0,
+        init_std: float = 0.02,
+        row_start: int = 0,
+        row_end: int | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.head_sizes = [int(n) for n in head_sizes]
+        self.num_heads = len(self.head_sizes)
+        self.embedding_dim = int(embedding_dim)
+        self.num_rows = sum(self.head_sizes)
+        self.layer_id = int(layer_id)
+        self.seed = int(seed)
+        self.init_std = float(init_std)
+        row_end = self.num_rows if row_end is None else int(row_end)
+        if not 0 <= row_start <= row_end <= self.num_rows:
+            raise ValueError(
+                f"row range [{row_start}, {row_end}) must lie within the layer's table "
+                f"[0, {self.num_rows})."
+            )
+        self.row_start, self.row_end = int(row_start), row_end
+        offsets = torch.from_numpy(head_offsets(self.head_sizes))
+        self.register_buffer("offsets", offsets.to(device=device))
+        self.weight = nn.Parameter(
+            torch.empty((row_end - row_start, self.embedding_dim), device=device, dtype=dtype)
+        )
+        mark_engram_param(self.weight, table=True)
+        self.weight.engram_layer_id = self.layer_id
+        self.weight.engram_row_range = (self.row_start, self.row_end)
+        self.weight.engram_num_rows = self.num_rows
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        partition_invariant_normal_(
+            self.weight, self.seed, self.layer_id, self.row_start, self.init_std
+        )
+
+    @property
+    def is_full_table(self) -> bool:
+        return self.row_start == 0 and self.row_end == self.num_rows
+
+    def extra_repr(self) -> str:
+        return (
+            f"layer_id={self.layer_id}, heads={self.num_heads}, dim={self.embedding_dim}, "
+            f"rows=[{self.row_start}, {self.row_end}) of {self.num_rows}"
+        )
+
+    def table_rows(self, hash_ids: torch.Tensor) -> torch.Tensor:
+        """Head-local hashes [..., K] -> global table rows [..., K]."""
+        if hash_ids.shape[-1] != self.num_heads:
+            raise ValueError(
+                f"hash ids have {hash_ids.shape[-1]} heads in their last dim, this layer's table "
+                f"has {self.num_heads} ((max_ngram_size - 1) * n_head_per_ngram)."
+            )
+        return hash_ids + self.offsets
+
+    def lookup_rows(self, rows: torch.Tensor, partial: bool = False) -> torch.Tensor:
+        """Gather global rows [...] -> [..., D]. With `partial`, rows owned by other ranks give
+        zeros (the caller sums over the shards); without it the table must be full."""
+        if not partial:
+            if not self.is_full_table:
+                raise RuntimeError(
+                    f"table of layer {self.layer_id} is a shard [{self.row_start}, "
+                    f"{self.row_end}); use the sharded lookup or lookup_rows(partial=True)."
+                )
+            return nn.functional.embedding(rows, self.weight)
+        local = rows - self.row_start
+        owned = (local >= 0) & (local < self.weight.shape[0])
+        values = nn.functional.embedding(torch.where(owned, local, 0), self.weight)
+        return values * owned.unsqueeze(-1).to(values.dtype)
+
+    def forward(self, hash_ids: torch.Tensor) -> torch.Tensor:
+        rows = self.table_rows(hash_ids)
+        return self.lookup_rows(rows).flatten(-2)

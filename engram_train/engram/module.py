@@ -1,0 +1,183 @@
+"""The Engram branch of one layer (spec section 3): memory lookup, context gate, short conv.
+
+Layout follows megatron (sequence first): hidden [S, B, d] when hc_mult == 1, [S, B, G, d]
+when hc_mult = G > 1; hash ids [S, B, K] int64 (K = (N-1) * H); memory [S, B, E] with
+E = (N-1) * n_embed_per_ngram. The module returns y only: the caller adds the residual.
+Submodule names equal the reference's so that its weights load by name.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from engram_train.engram.embedding import MultiHeadEmbedding, mark_engram_param
+from engram_train.engram.hashing import engram_head_vocab_sizes
+
+GATE_NORM_EPS = torch.finfo(torch.float32).eps  # key/query RMSNorms, as the reference
+CONV_NORM_EPS = 1e-5  # ShortConv's RMSNorms
+GATE_SCORE_FLOOR = 1e-6
+
+
+class ShortConv(nn.Module):
+    """Per-stream RMSNorm, then a causal depthwise conv over time (dilation = N), then SiLU.
+
+    Channels are stream-major (channel = g * d + i), as the reference's conv weight [G*d, 1, K].
+    """
+
+    def __init__(self, hidden_size: int, hc_mult: int, kernel_size: int, dilation: int,
+                 device=None, dtype=None) -> None:
+        super().__init__()
+        channels = hidden_size * hc_mult
+        self.left_pad = (kernel_size - 1) * dilation
+        self.conv = nn.Conv1d(channels, channels, kernel_size, groups=channels, bias=False,
+                              dilation=dilation, device=device, dtype=dtype)
+        self.norms = nn.ModuleList(
+            nn.RMSNorm(hidden_size, eps=CONV_NORM_EPS, device=device, dtype=dtype)
+            for _ in range(hc_mult)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [S, B, G, d] -> [S, B, G, d]."""
+        seq, batch, streams, width = x.shape
+        normed = torch.cat([self.norms[g](x[:, :, g]) for g in range(streams)], dim=-1)
+        y = nn.functional.pad(normed.permute(1, 2, 0), (self.left_pad, 0))  # [B, G*d, pad+S]
+        y = nn.functional.silu(self.conv(y))
+        return y.permute(2, 0, 1).reshape(seq, batch, streams, width)
+
+
+class Engram(nn.Module):
+    """Engram branch of global layer `layer_id`; `config` is an EngramConfig or a composed
+    megatron config carrying its fields.
+
+    `lookup(hash_ids)` and `forward(hidden, memory=...)` are split so that a prefetcher can
+    fetch the memory of the next Engram layer early. `row_start`/`row_end` select the table
+    rows this rank holds (default: all). The conv starts at zero (paper recipe) unless
+    `zero_init_conv=False`.
+    """
+
+    def __init__(
+        self,
+        config,
+        hidden_size: int,
+        layer_id: int,
+        *,
+        row_start: int = 0,
+        row_end: int | None = None,
+        zero_init_conv: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        layer_ids = list(config.engram_layer_ids)
+        if layer_id not in layer_ids:
+            raise ValueError(
+                f"layer_id={layer_id} is not in engram_layer_ids={layer_ids}: add it there (the "
+                "table sizes depend on the whole list) or do not build Engram for this layer."
+            )
+        n_heads = config.n_head_per_ngram
+        if config.n_embed_per_ngram % n_heads:
+            raise ValueError(
+                f"n_embed_per_ngram={config.n_embed_per_ngram} must be a multiple of "
+                f"n_head_per_ngram={n_heads}."
+            )
+        self.layer_id = int(layer_id)
+        self.hidden_size = int(hidden_size)
+        self.hc_mult = int(config.engram_hc_mult)
+        self.max_ngram_size = int(config.max_ngram_size)
+        self.num_heads = (self.max_ngram_size - 1) * n_heads
+        self.head_dim = config.n_embed_per_ngram // n_heads
+        self.memory_dim = (self.max_ngram_size - 1) * config.n_embed_per_ngram
+        self.init_std = float(config.engram_init_std)
+        head_sizes = engram_head_vocab_sizes(
+            config.engram_vocab_size, self.max_ngram_size, n_heads, layer_ids
+        )[self.layer_id]
+        factory = {"device": device, "dtype": dtype}
+
+        self.multi_head_embedding = MultiHeadEmbedding(
+            [p for order in head_sizes for p in order],
+            self.head_dim,
+            layer_id=self.layer_id,
+            seed=config.engram_seed,
+            init_std=self.init_std,
+            row_start=row_start,
+            row_end=row_end,
+            **factory,
+        )
+        d, e, g = self.hidden_size, self.memory_dim, self.hc_mult
+        self.value_proj = nn.Linear(e, d, **factory)
+        self.key_projs = nn.ModuleList(nn.Linear(e, d, **factory) for _ in range(g))
+        self.norm1 = nn.ModuleList(nn.RMSNorm(d, eps=GATE_NORM_EPS, **factory) for _ in range(g))
+        self.norm2 = nn.ModuleList(nn.RMSNorm(d, eps=GATE_NORM_EPS, **factory) for _ in range(g))
+        self.short_conv = ShortConv(d, g, config.engram_kernel_size, self.max_ngram_size,
+                                    **factory)
+        self.zero_init_conv = zero_init_conv
+        self.reset_parameters(include_table=False)  # the table initialized itself
+        for param in self.parameters():
+            mark_engram_param(param)
+
+    @torch.no_grad()
+    def reset_parameters(self, include_table: bool = True) -> None:
+        """Projections ~ N(0, engram_init_std^2) with zero bias, norms at one, conv at zero."""
+        for linear in [self.value_proj, *self.key_projs]:
+            linear.weight.normal_(0.0, self.init_std)
+            linear.bias.zero_()
+        for norm in [*self.norm1, *self.norm2, *self.short_conv.norms]:
+            norm.reset_parameters()
+        if self.zero_init_conv:
+            self.short_conv.conv.weight.zero_()
+        else:
+            self.short_conv.conv.reset_parameters()
+        if include_table:
+            self.multi_head_embedding.reset_parameters()
+
+    def lookup(self, hash_ids: torch.Tensor) -> torch.Tensor:
+        """Hash ids [S, B, K] (head-local, as NgramHashMapping gives) -> memory [S, B, E]."""
+        return self.multi_head_embedding(hash_ids)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        hash_ids: torch.Tensor | None = None,
+        memory: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """y with hidden's shape; give exactly one of `hash_ids` [S, B, K] or `memory` [S, B, E]."""
+        if (hash_ids is None) == (memory is None):
+            raise ValueError("Engram.forward needs exactly one of hash_ids or memory.")
+        if memory is None:
+            memory = self.lookup(hash_ids)
+        hidden = self._streams(hidden_states)
+        if memory.shape != (*hidden.shape[:2], self.memory_dim):
+            raise ValueError(
+                f"memory shape {tuple(memory.shape)} does not match hidden {tuple(hidden.shape)}:"
+                f" expected [S, B, {self.memory_dim}] (sequence first)."
+            )
+        memory = memory.to(self.value_proj.weight.dtype)
+        scale = 1.0 / math.sqrt(self.hidden_size)
+        gates = []
+        for g in range(self.hc_mult):
+            key = self.norm1[g](self.key_projs[g](memory))
+            query = self.norm2[g](hidden[:, :, g])
+            score = (key * query).sum(dim=-1) * scale
+            score = score.abs().clamp_min(GATE_SCORE_FLOOR).sqrt() * score.sign()
+            gates.append(score.sigmoid())
+        gate = torch.stack(gates, dim=2).unsqueeze(-1)  # [S, B, G, 1]
+        value = gate * self.value_proj(memory).unsqueeze(2)  # one value projection, G gates
+        y = value + self.short_conv(value)
+        return y.squeeze(2) if hidden_states.ndim == 3 else y
+
+    def _streams(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """[S, B, d] (G == 1) or [S, B, G, d] -> [S, B, G, d], with a clear error otherwise."""
+        expected = "[S, B, d]" if self.hc_mult == 1 else f"[S, B, {self.hc_mult}, d]"
+        ok = hidden_states.shape[-1] == self.hidden_size and (
+            (hidden_states.ndim == 3 and self.hc_mult == 1)
+            or (hidden_states.ndim == 4 and hidden_states.shape[2] == self.hc_mult)
+        )
+        if not ok:
+            raise ValueError(
+                f"hidden_states shape {tuple(hidden_states.shape)} does not match {expected} "
+                f"with d={self.hidden_size} (engram_hc_mult={self.hc_mult}, sequence first)."
+            )
+        return hidden_states.unsqueeze(2) if hidden_states.ndim == 3 else hidden_states
