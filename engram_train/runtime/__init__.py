@@ -22,3 +22,8 @@ __all__ = [
     "transformer_engine_available",
     "uninstall_cpu_compat",
 ]
+
+import warnings as _warnings
+
+# megatron-core warns at import time about optional GPU packages on every CPU rank.
+_warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* not installed.*")

@@ -38,4 +38,31 @@ def apply_megatron_fixes() -> None:
     # multi_latent_attention sets HAVE_TE = True even though its TELinear is a stand-in, and
     # `isinstance(x, TELinear)` then raises TypeError. Without TE the flag must read False.
     multi_latent_attention.HAVE_TE = False
+    _fix_torch_adam_step_on_load()
     _APPLIED = True
+
+
+def _fix_torch_adam_step_on_load() -> None:
+    """Without TE/Apex, megatron falls back to torch Adam, which keeps a per-parameter ``step``
+    tensor in its state. ``DistributedOptimizer._set_main_param_and_optimizer_states`` copies
+    every key of the destination state from the loaded tensors, but the reshardable loaders drop
+    ``step`` (it is restored separately from the param groups) -> KeyError on every load.
+    Supplying the destination's own ``step`` makes that copy a no-op.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = DistributedOptimizer._set_main_param_and_optimizer_states
+    if getattr(original, "_engram_fixed", False):
+        return
+
+    def _set_main_param_and_optimizer_states(self, model_param, tensors):
+        if "step" not in tensors and not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+            state = self.optimizer.state[main_param]
+            if "step" in state:
+                tensors = dict(tensors, step=state["step"])
+        return original(self, model_param, tensors)
+
+    _set_main_param_and_optimizer_states._engram_fixed = True
+    DistributedOptimizer._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states

@@ -1,0 +1,60 @@
+"""Shared pieces of the torchrun test scripts: args, a tiny DeepSeek-V3 model, batches."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def parse_args(extra=None):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    for name, kwargs in (extra or {}).items():
+        parser.add_argument(name, **kwargs)
+    return parser.parse_args()
+
+
+def write_result(out: str, result: dict) -> None:
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+VOCAB = 128
+SEQ = 32
+
+
+def repeated_batches(num_microbatches: int, micro_batch_size: int, seed: int = 0, seq: int = SEQ):
+    """A fixed set of micro-batches (same on every rank): loss must fall when repeated."""
+    g = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(num_microbatches):
+        tokens = torch.randint(0, VOCAB, (micro_batch_size, seq + 1), generator=g)
+        batches.append(
+            dict(
+                tokens=tokens[:, :-1].contiguous(),
+                labels=tokens[:, 1:].contiguous(),
+                loss_mask=torch.ones(micro_batch_size, seq),
+                position_ids=torch.arange(seq).expand(micro_batch_size, seq).contiguous(),
+            )
+        )
+    return batches
+
+
+def tiny_config(tp=1, pp=1, ep=1, sp=False, **overrides):
+    from engram_train.models.deepseek_v3 import DEEPSEEK_V3_TINY, deepseek_v3_config
+
+    fields = dict(DEEPSEEK_V3_TINY)
+    fields.update(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        sequence_parallel=sp,
+        pipeline_dtype=torch.float32,
+    )
+    fields.update(overrides)
+    return deepseek_v3_config(**fields)
