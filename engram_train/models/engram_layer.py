@@ -1,0 +1,74 @@
+"""EngramTransformerLayer: a megatron TransformerLayer with the Engram branch at its entry.
+
+``h = h + Engram(h, hash_ids)``, then megatron's unchanged layer forward. The micro-batch's
+hash ids arrive through the ``context`` argument that megatron's block already hands to every
+layer (and saves with the inputs under full recompute, so a recomputed layer sees the same
+ids); decoder-only GPT models leave that slot unused. The packed tensor is
+``[S, B, num_engram_layers, K]`` and this layer reads its own slice by global layer id.
+Tracks megatron-core 0.16.1 (``TransformerLayer.forward(hidden_states, ..., context=...)``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+import torch
+from megatron.core.tensor_parallel.mappings import (
+    gather_from_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+
+@dataclass
+class EngramTransformerLayerSubmodules(TransformerLayerSubmodules):
+    """megatron's layer slots plus the Engram branch."""
+
+    engram: Union[ModuleSpec, type, None] = field(default=None)
+
+
+class EngramTransformerLayer(TransformerLayer):
+    """A megatron layer whose input first receives the Engram memory of its global layer id."""
+
+    def __init__(self, config, submodules: EngramTransformerLayerSubmodules, *args, **kwargs):
+        super().__init__(config, submodules, *args, **kwargs)
+        self.engram_layer_id = self.layer_number - 1  # megatron numbers layers globally from 1
+        layer_ids = list(config.engram_layer_ids)
+        if self.engram_layer_id not in layer_ids:
+            raise ValueError(
+                f"EngramTransformerLayer built for global layer {self.engram_layer_id}, which is not "
+                f"in engram_layer_ids={layer_ids}: build it with engram_block_spec"
+            )
+        self.engram_slot = layer_ids.index(self.engram_layer_id)
+        self.engram = build_module(
+            submodules.engram, config=config, hidden_size=config.hidden_size, layer_id=self.engram_layer_id
+        )
+
+    def engram_branch(self, hidden_states: torch.Tensor, hash_ids: torch.Tensor) -> torch.Tensor:
+        """Engram output for this rank's hidden slice.
+
+        With sequence parallelism the hidden states are split over TP along the sequence, but
+        the short conv reads neighbouring positions: gather the full sequence (backward: take
+        this rank's slice, since every TP rank computes the same branch), run Engram, keep
+        this rank's slice.
+        """
+        if self.config.sequence_parallel and self.pg_collection.tp.size() > 1:
+            tp = self.pg_collection.tp
+            full = gather_from_sequence_parallel_region(
+                hidden_states, tensor_parallel_output_grad=False, group=tp
+            )
+            return scatter_to_sequence_parallel_region(self.engram(full, hash_ids=hash_ids), group=tp)
+        return self.engram(hidden_states, hash_ids=hash_ids)
+
+    def forward(self, hidden_states: torch.Tensor, *args, context: Optional[torch.Tensor] = None, **kwargs):
+        if context is None:
+            raise ValueError(
+                f"Engram layer {self.engram_layer_id} got no hash ids: call EngramGPTModel with "
+                "input_ids (or engram_hash_ids) on every pipeline stage"
+            )
+        hash_ids = context[:, :, self.engram_slot]
+        hidden_states = hidden_states + self.engram_branch(hidden_states, hash_ids)
+        output, _ = super().forward(hidden_states, *args, context=None, **kwargs)
+        return output, context

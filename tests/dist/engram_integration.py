@@ -1,0 +1,154 @@
+"""Engram inside megatron on 4 processes, one launch:
+
+- use_engram=False builds megatron's GPTModel: same parameter names, bitwise-equal output.
+- For Engram layers on both PP stages ([1, 3]) and only on the second ([2, 3]): the PP1 model is
+  saved with dist_checkpointing, then loaded into PP2, TP2(+SP / no SP) layouts; the loss on
+  the same micro-batches must match PP1.
+- Full recompute vs none under PP2 with 4 distinct micro-batches (1F1B keeps several in
+  flight, so a recomputed layer must see its own micro-batch's hash ids): identical loss and
+  identical gradients.
+"""
+
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import torch
+import torch.distributed as dist
+from common import SEQ, VOCAB, parse_args, repeated_batches, tiny_config, write_result
+
+from engram_train.runtime import ParallelSizes, initialize_distributed
+
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.models.gpt import GPTModel
+
+from engram_train.checkpointing import load_checkpoint, save_checkpoint
+from engram_train.config import EngramMLATransformerConfig
+from engram_train.models.builder import build_model
+from engram_train.models.specs import deepseek_v3_block_spec
+from engram_train.training.step import evaluate, run_forward_backward
+
+TOKENIZER = str(Path(__file__).resolve().parents[1] / "data" / "golden" / "tok_bpe4k")
+ENGRAM = dict(
+    use_engram=True,
+    engram_tokenizer_name_or_path=TOKENIZER,
+    engram_vocab_size=[257, 263],
+    max_ngram_size=3,
+    n_embed_per_ngram=32,
+    n_head_per_ngram=4,
+)
+
+
+def engram_config(layout: ParallelSizes, layer_ids, sp=False, **overrides):
+    cfg = tiny_config(
+        tp=layout.tensor, pp=layout.pipeline, sp=sp, config_class=EngramMLATransformerConfig,
+        engram_layer_ids=layer_ids, **ENGRAM, **overrides,
+    )
+    cfg.finalize_model_grads_func = finalize_model_grads
+    return cfg
+
+
+def init(layout: ParallelSizes, seed=1):
+    parallel_state.destroy_model_parallel()
+    initialize_distributed(layout, seed=seed)
+
+
+def build(cfg):
+    return build_model(cfg, VOCAB, SEQ, DistributedDataParallelConfig(grad_reduce_in_fp32=True))
+
+
+def shared_tmpdir():
+    holder = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
+def check_plain_equals_gpt(result):
+    init(ParallelSizes())
+    plain_cfg = tiny_config()
+    torch.manual_seed(7)
+    reference = GPTModel(plain_cfg, deepseek_v3_block_spec(plain_cfg), vocab_size=VOCAB, max_sequence_length=SEQ,
+                         share_embeddings_and_output_weights=False, position_embedding_type="rope")
+    off_cfg = tiny_config(config_class=EngramMLATransformerConfig, use_engram=False)
+    torch.manual_seed(7)
+    ours = build_model(off_cfg, VOCAB, SEQ, wrap_with_ddp=False)[0]
+    b = repeated_batches(1, 2)[0]
+    out_ref = reference(b["tokens"], b["position_ids"], None, labels=b["labels"])
+    out = ours(b["tokens"], b["position_ids"], None, labels=b["labels"])
+    result["plain_type"] = type(ours).__name__
+    result["plain_same_names"] = list(reference.state_dict()) == list(ours.state_dict())
+    result["plain_bitwise"] = bool(torch.equal(out_ref, out))
+
+
+def check_layouts(result, layer_ids, tag):
+    batches = repeated_batches(num_microbatches=4, micro_batch_size=2, seed=3)
+
+    init(ParallelSizes(), seed=11)
+    root = shared_tmpdir()
+    model = build(engram_config(ParallelSizes(), layer_ids))
+    result[f"{tag}_pp1"] = evaluate(model, batches, SEQ, 2)
+    save_checkpoint(root, 1, model)
+
+    for name, layout, sp in (
+        ("pp2", ParallelSizes(pipeline=2), False),
+        ("tp2", ParallelSizes(tensor=2), False),
+        ("tp2sp", ParallelSizes(tensor=2), True),
+        ("tp2pp2sp", ParallelSizes(tensor=2, pipeline=2), True),
+    ):
+        init(layout, seed=99)
+        model = build(engram_config(layout, layer_ids, sp=sp))
+        load_checkpoint(root, model)
+        result[f"{tag}_{name}"] = evaluate(model, batches, SEQ, 2)
+
+
+def grads_after_step(model, batches):
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    losses = run_forward_backward(model, batches, SEQ, 2)
+    grads = {}
+    for i, chunk in enumerate(model):
+        for name, p in chunk.named_parameters():
+            grads[f"{i}.{name}"] = p.main_grad.detach().clone()
+    loss = None
+    if losses:
+        total = torch.stack([d["lm loss"] for d in losses]).sum(0)
+        loss = (total[0] / total[1]).item()
+    return loss, grads
+
+
+def check_recompute(result):
+    layout = ParallelSizes(pipeline=2)
+    batches = [repeated_batches(1, 2, seed=100 + i)[0] for i in range(4)]
+    init(layout, seed=5)
+    root = shared_tmpdir()
+    base = build(engram_config(layout, [1, 3]))
+    save_checkpoint(root, 1, base)
+    loss_plain, grads_plain = grads_after_step(base, batches)
+    init(layout, seed=6)
+    recomputed = build(engram_config(layout, [1, 3], recompute_granularity="full",
+                                     recompute_method="uniform", recompute_num_layers=1))
+    load_checkpoint(root, recomputed)
+    loss_rc, grads_rc = grads_after_step(recomputed, batches)
+    result["recompute_loss"] = [loss_plain, loss_rc]
+    result["recompute_grad_names_equal"] = sorted(grads_plain) == sorted(grads_rc)
+    result["recompute_grads_mismatch"] = [k for k in grads_plain if not torch.equal(grads_plain[k], grads_rc[k])]
+    table_grads = [g for k, g in grads_plain.items() if "multi_head_embedding.weight" in k]
+    result["recompute_num_tables"] = len(table_grads)
+    result["recompute_table_grads_nonzero"] = all(g.abs().sum().item() > 0 for g in table_grads)
+
+
+def main():
+    args = parse_args()
+    result = {}
+    check_plain_equals_gpt(result)
+    check_layouts(result, [1, 3], "both_stages")
+    check_layouts(result, [2, 3], "second_stage")
+    check_recompute(result)
+    write_result(args.out, result)
+
+
+if __name__ == "__main__":
+    main()
