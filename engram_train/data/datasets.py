@@ -1,0 +1,282 @@
+"""Train/valid/test GPT datasets with megatron-core's own builder (megatron-core 0.16.1).
+
+`build_gpt_datasets` is a thin, validated front for ``BlendedMegatronDatasetBuilder`` +
+``GPTDatasetConfig`` + ``GPTDataset``: samples, splits, blending, shuffling and the on-disk index
+cache are megatron's, so a run here and a Megatron-LM run over the same prefixes, seed, split
+and sample counts see the same samples.
+
+Every rank builds the datasets (``is_built_on_rank`` is always true): middle pipeline stages
+need the token ids too, to hash them for Engram.
+
+The C++ index helpers
+---------------------
+``GPTDataset`` builds its sample index with ``megatron.core.datasets.helpers_cpp``, a pybind11
+extension. The megatron-core 0.16.1 wheels on PyPI (CPython 3.10-3.13, manylinux x86_64 and
+aarch64) ship it prebuilt, so a fresh ``pip install`` needs no compiler. A source install
+builds it as an *optional* extension and silently goes without it when that fails, and
+megatron's ``compile_helpers()`` runs a Makefile that wheels do not ship; for that case
+`ensure_dataset_helpers` compiles the ``helpers.cpp`` that every install carries, once, into
+the cache folder (needs a C++ compiler and ``pip install pybind11``), under a file lock.
+
+Races
+-----
+With ``torch.distributed`` initialized, megatron's builder builds the index cache on global
+rank 0, then barriers, then the other ranks load it; the cache folder must therefore be one
+that all ranks see. Independent processes (two jobs sharing a cache, or ranks launched without
+a process group) are serialized by an exclusive ``flock`` on ``<cache>/.lock``, held by
+global rank 0 only when a process group exists (a lock on every rank would deadlock against
+the barrier).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import importlib.machinery
+import importlib.util
+import logging
+import os
+import subprocess
+import sys
+import sysconfig
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEMO_DATA_PREFIX = str(REPO_ROOT / "examples" / "data" / "demo_text_document")
+"""The shipped demo corpus (a source checkout; not part of an installed wheel)."""
+DEMO_TOKENIZER = str(REPO_ROOT / "examples" / "data" / "tokenizer")
+
+
+def default_cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/engram_train`` (default ``~/.cache/engram_train``)."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache")
+    return Path(root).expanduser() / "engram_train"
+
+
+@contextlib.contextmanager
+def file_lock(path: str | os.PathLike):
+    """Exclusive advisory lock on `path` (created if missing) for the duration of the block."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+# --------------------------------------------------------------------------- C++ helpers
+
+
+def ensure_dataset_helpers(build_dir: str | os.PathLike | None = None) -> str:
+    """Make ``megatron.core.datasets.helpers_cpp`` importable; return the path of the library.
+
+    Uses the installed extension when there is one (the normal case); otherwise compiles
+    megatron's ``helpers.cpp`` into `build_dir` (default: ``<cache>/helpers``) on first use and
+    registers it under its megatron module name. Safe to call from many processes at once.
+    """
+    try:
+        from megatron.core.datasets import helpers_cpp
+
+        return helpers_cpp.__file__
+    except ImportError:
+        pass
+
+    import megatron.core.datasets as mcd
+
+    src = Path(mcd.__file__).with_name("helpers.cpp")
+    if not src.is_file():
+        raise RuntimeError(
+            f"megatron-core has no helpers_cpp extension and no {src.name} to build it from; "
+            "reinstall it from a wheel: pip install --force-reinstall megatron-core==0.16.1"
+        )
+    digest = hashlib.sha256(src.read_bytes()).hexdigest()[:16]
+    out_dir = Path(build_dir or default_cache_dir() / "helpers") / digest
+    lib = out_dir / f"helpers_cpp{sysconfig.get_config_var('EXT_SUFFIX')}"
+    with file_lock(out_dir / ".lock"):
+        if not lib.is_file():
+            _compile_helpers(src, lib)
+    name = "megatron.core.datasets.helpers_cpp"
+    spec = importlib.util.spec_from_file_location(
+        name, lib, loader=importlib.machinery.ExtensionFileLoader(name, str(lib))
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules[name] = module
+    mcd.helpers_cpp = module
+    return str(lib)
+
+
+def _compile_helpers(src: Path, lib: Path) -> None:
+    try:
+        import pybind11
+    except ImportError:
+        raise RuntimeError(
+            "megatron-core was installed without its C++ dataset helpers (helpers_cpp), and "
+            "building them needs pybind11: `pip install pybind11` (and a C++ compiler), or "
+            "reinstall megatron-core from a wheel: pip install --force-reinstall megatron-core==0.16.1"
+        ) from None
+    cxx = os.environ.get("CXX", "c++")
+    tmp = lib.with_name(f"{lib.name}.{os.getpid()}.tmp")
+    cmd = [
+        cxx, "-O3", "-Wall", "-shared", "-std=c++17", "-fPIC",
+        f"-I{sysconfig.get_paths()['include']}", f"-I{pybind11.get_include()}",
+        str(src), "-o", str(tmp),
+    ]  # fmt: skip
+    logger.info("compiling megatron dataset helpers: %s", " ".join(cmd))
+    try:
+        subprocess.run(cmd, check=True, capture_output=True, text=True)
+    except FileNotFoundError:
+        raise RuntimeError(f"no C++ compiler {cxx!r} to build megatron's dataset helpers") from None
+    except subprocess.CalledProcessError as e:
+        raise RuntimeError(f"building megatron's dataset helpers failed:\n{e.stderr}") from None
+    os.replace(tmp, lib)
+
+
+# --------------------------------------------------------------------------- datasets
+
+
+def parse_blend(data_path) -> tuple[list[str], list[float] | None]:
+    """Normalize a blend to megatron's ``(prefixes, weights or None)``.
+
+    Accepted: one prefix; a list of prefixes (sampled in proportion to their sizes); megatron's
+    flat list ``[w1, prefix1, w2, prefix2, ...]`` (weights as numbers or numeric strings); a list
+    of ``(weight, prefix)`` pairs; a ``{prefix: weight}`` mapping.
+    """
+    if isinstance(data_path, (str, os.PathLike)):
+        return [os.fspath(data_path)], None
+    if isinstance(data_path, dict):
+        return [os.fspath(p) for p in data_path], [float(w) for w in data_path.values()]
+    items = list(data_path)
+    if not items:
+        raise ValueError("data path: empty blend; give at least one dataset prefix.")
+    if all(isinstance(x, (tuple, list)) and len(x) == 2 for x in items):
+        return [os.fspath(p) for _, p in items], [float(w) for w, _ in items]
+
+    def is_weight(x) -> bool:
+        if isinstance(x, (int, float)):
+            return True
+        try:
+            float(x)
+            return True
+        except (TypeError, ValueError):
+            return False
+
+    if len(items) % 2 == 0 and all(is_weight(w) for w in items[0::2]):
+        return [os.fspath(p) for p in items[1::2]], [float(w) for w in items[0::2]]
+    if any(is_weight(x) for x in items):
+        raise ValueError(
+            f"data path: cannot read blend {items!r}; give prefixes only, or weight/prefix pairs "
+            "like [0.3, 'a_text_document', 0.7, 'b_text_document']."
+        )
+    return [os.fspath(p) for p in items], None
+
+
+def build_gpt_datasets(
+    data_path,
+    tokenizer,
+    *,
+    seq_length: int,
+    num_samples: Sequence[int | None],
+    split: str = "949,50,1",
+    seed: int = 1234,
+    cache_dir: str | os.PathLike | None = None,
+    create_attention_mask: bool = False,
+    reset_position_ids: bool = False,
+    reset_attention_mask: bool = False,
+    eod_mask_loss: bool = False,
+):
+    """Build the (train, valid, test) GPT datasets; a split with weight 0 comes back as None.
+
+    Args:
+        data_path: dataset prefix(es) written by ``engram-preprocess`` (see `parse_blend`).
+        tokenizer: a megatron tokenizer (e.g. `engram_train.data.tokenizer.HFTokenizer`).
+        seq_length: tokens per sample; each sample reads ``seq_length + 1`` tokens so that
+            ``labels`` are ``tokens`` shifted by one.
+        num_samples: samples to draw per split, ``(train, valid, test)``; a dataset smaller
+            than that is repeated over epochs, each reshuffled. ``None``: one epoch
+            (not allowed for weighted blends).
+        split: relative document shares of train/valid/test, e.g. ``"949,50,1"``.
+        seed: shuffling seed.
+        cache_dir: where megatron keeps the document/sample/shuffle index files (reused across
+            runs; must be visible to all ranks). Default ``<cache>/dataset_indices``.
+        create_attention_mask: add a ``[1, S, S]`` bool ``attention_mask`` (True = masked) to
+            each sample. Off by default: megatron's attention builds the causal mask itself.
+        reset_position_ids, reset_attention_mask, eod_mask_loss: megatron's document-boundary
+            options, off by default.
+    """
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix,
+        parse_and_normalize_split,
+    )
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    import torch
+
+    if seq_length <= 0:
+        raise ValueError(f"seq_length must be positive, got {seq_length}.")
+    num_samples = list(num_samples)
+    if len(num_samples) != 3:
+        raise ValueError(f"num_samples must be (train, valid, test), got {num_samples!r}.")
+    try:
+        shares = parse_and_normalize_split(split)
+    except (AssertionError, ZeroDivisionError, ValueError):
+        raise ValueError(f"split must be three non-negative shares like '949,50,1', got {split!r}.")
+    prefixes, weights = parse_blend(data_path)
+    for prefix in prefixes:
+        if not IndexedDataset.exists(prefix):
+            raise FileNotFoundError(
+                f"data path: no dataset at prefix '{prefix}' (needs {prefix}.bin and {prefix}.idx); "
+                "create one with engram-preprocess."
+            )
+        # megatron 0.16.1 loops forever on a split that gets no document: refuse it here.
+        n_docs = len(IndexedDataset(prefix).sequence_lengths)
+        for name, span in zip(("train", "valid", "test"), convert_split_vector_to_split_matrix(shares)):
+            if span is not None and int(round(span[1] * n_docs)) == int(round(span[0] * n_docs)):
+                raise ValueError(
+                    f"split {split!r} gives the {name} split no document of '{prefix}' "
+                    f"({n_docs} documents); give that split a larger share, or 0 to drop it."
+                )
+    if weights is not None and any(
+        share > 0 and n is None for share, n in zip(shares, num_samples)
+    ):
+        raise ValueError("a weighted blend needs num_samples for every split with a nonzero share.")
+
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir() / "dataset_indices"
+    ensure_dataset_helpers()
+
+    config = GPTDatasetConfig(
+        random_seed=seed,
+        sequence_length=seq_length,
+        blend=(prefixes, weights),
+        split=split,
+        path_to_cache=str(cache),
+        tokenizer=tokenizer,
+        reset_position_ids=reset_position_ids,
+        reset_attention_mask=reset_attention_mask,
+        eod_mask_loss=eod_mask_loss,
+        create_attention_mask=create_attention_mask,
+    )
+    builder = BlendedMegatronDatasetBuilder(GPTDataset, num_samples, lambda: True, config)
+
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    lock = (
+        file_lock(cache / ".lock")
+        if not distributed or torch.distributed.get_rank() == 0
+        else contextlib.nullcontext()
+    )
+    with lock, warnings.catch_warnings():
+        if getattr(tokenizer, "pad", None) == getattr(tokenizer, "eod", None):
+            # Intended: with pad == eod megatron pads partial samples with a sentinel id (and
+            # masks it from the loss), so that real end-of-document tokens keep their loss.
+            warnings.filterwarnings("ignore", message="The pad token id in the tokenizer collides")
+        train, valid, test = builder.build()
+    return train, valid, test
