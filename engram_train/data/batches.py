@@ -19,6 +19,7 @@ Batch layout (a dict of CPU tensors, B = micro_batch_size, S = seq_length):
 - ``position_ids``  int64   [B, S]
 - ``attention_mask`` bool   [B, 1, S, S]  only when the datasets were built with
   ``create_attention_mask=True`` (True = masked out)
+- ``dataset_id``    int16   [B]     only for a blend of several prefixes: which one
 - ``engram_hash_ids`` dict[int, int64 [B, S, K]]  added by `HashPrefetchIterator`
 """
 
@@ -33,9 +34,11 @@ import torch
 HASH_KEY = "engram_hash_ids"
 
 
-def collate(samples: list[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Stack per-sample tensors along a new leading batch dim."""
-    return {key: torch.stack([s[key] for s in samples]) for key in samples[0]}
+def collate(samples: list[Mapping[str, object]]) -> dict[str, torch.Tensor]:
+    """Stack per-sample values (tensors, numpy arrays or scalars) along a new leading dim."""
+    return {
+        key: torch.stack([torch.as_tensor(s[key]) for s in samples]) for key in samples[0]
+    }
 
 
 class MicroBatchIterator:

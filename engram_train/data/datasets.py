@@ -70,6 +70,28 @@ def file_lock(path: str | os.PathLike):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+@contextlib.contextmanager
+def _lone_process_is_rank_zero():
+    """Without a process group, make ``torch.distributed.get_rank()`` answer 0.
+
+    megatron-core 0.16.1's ``BlendedDataset._build_indices`` calls ``get_rank()`` on a cache
+    miss even when no process group exists (``GPTDataset`` checks ``is_initialized()`` first),
+    so a weighted blend could not be built in a single process. Nothing is changed when a
+    process group exists.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_available() or dist.is_initialized():
+        yield
+        return
+    original = dist.get_rank
+    dist.get_rank = lambda group=None: 0
+    try:
+        yield
+    finally:
+        dist.get_rank = original
+
+
 # --------------------------------------------------------------------------- C++ helpers
 
 
@@ -273,7 +295,7 @@ def build_gpt_datasets(
         if not distributed or torch.distributed.get_rank() == 0
         else contextlib.nullcontext()
     )
-    with lock, warnings.catch_warnings():
+    with lock, _lone_process_is_rank_zero(), warnings.catch_warnings():
         if getattr(tokenizer, "pad", None) == getattr(tokenizer, "eod", None):
             # Intended: with pad == eod megatron pads partial samples with a sentinel id (and
             # masks it from the loss), so that real end-of-document tokens keep their loss.
