@@ -355,3 +355,22 @@ def test_embedding_forward_and_marks():
     torch.testing.assert_close(table(hashes)[0, 0], want, rtol=0, atol=0)
     with pytest.raises(ValueError, match="heads"):
         table(torch.zeros(2, 2, dtype=torch.long))
+
+
+def test_stacked_threads_and_pickle():
+    import pickle
+
+    config = make_config(engram_layer_ids=[3, 0, 7])
+    ids = np.random.default_rng(0).integers(0, 30, size=(3, 50))
+    single = NgramHashMapping(config, np.arange(30) % 17)
+    threaded = NgramHashMapping(config, np.arange(30) % 17, num_threads=2)
+    stacked = single.hash_stacked(ids)
+    assert stacked.shape == (3, 3, 50, 4)
+    per_layer = single.hash(ids)
+    for index, layer in enumerate(config.engram_layer_ids):
+        np.testing.assert_array_equal(stacked[index], per_layer[layer])
+        np.testing.assert_array_equal(threaded.hash(ids)[layer], per_layer[layer])
+    restored = pickle.loads(pickle.dumps(threaded))  # data-loader workers may pickle it
+    np.testing.assert_array_equal(restored.hash_stacked(ids), stacked)
+    as_torch = single.hash_stacked(torch.from_numpy(ids))
+    assert torch.equal(as_torch.contiguous(), torch.from_numpy(np.ascontiguousarray(stacked)))

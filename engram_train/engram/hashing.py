@@ -9,6 +9,9 @@ numpy PCG64 multipliers, one global prime walk, XOR of int64 products, floor mod
 from __future__ import annotations
 
 import functools
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Sequence
 
 import numpy as np
@@ -142,12 +145,22 @@ class NgramHashMapping:
     """Hashes raw token ids of a micro-batch for every Engram layer at once.
 
     `hash(input_ids [B, T])` -> `{layer_id: int64 [B, T, (N-1)*H]}`, 2-gram heads first; the
-    values are head-local (in [0, prime)). `table_rows` adds the per-head offsets.
-    Numpy in gives numpy out; torch in gives torch out on the input's device (the work is done
-    on the CPU, mostly single-threaded, so it fits a data-loader worker).
+    values are head-local (in [0, prime)) and stored head-major (see `hash_stacked`).
+    `table_rows` adds the per-head offsets.
+    Numpy in gives numpy out; torch in gives torch out on the input's device. The work runs on
+    the CPU; `num_threads` > 1 hashes layers concurrently (numpy releases the GIL), while the
+    default of 1 suits a data-loader worker.
     """
 
-    def __init__(self, config, tokenizer: CompressedTokenizer | np.ndarray | None = None) -> None:
+    def __init__(
+        self,
+        config,
+        tokenizer: CompressedTokenizer | np.ndarray | None = None,
+        num_threads: int = 1,
+    ) -> None:
+        if num_threads < 1:
+            raise ValueError(f"num_threads={num_threads} must be >= 1.")
+        self.num_threads = int(num_threads)
         if tokenizer is None:
             tokenizer = CompressedTokenizer(config.engram_tokenizer_name_or_path)
         lookup = tokenizer.lookup if isinstance(tokenizer, CompressedTokenizer) else tokenizer
@@ -191,10 +204,32 @@ class NgramHashMapping:
         }
         self.offsets = {layer: head_offsets(p) for layer, p in self.primes.items()}
         self.num_rows = {layer: int(p.sum()) for layer, p in self.primes.items()}
-        self._primes_t = {
-            layer: torch.from_numpy(p.reshape(self.max_ngram_size - 1, self.n_head_per_ngram))
-            for layer, p in self.primes.items()
-        }
+        self._local, self._pool, self._pool_pid = threading.local(), None, None
+
+    def _scratch(self, batch: int, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+        # Reused per thread: fresh buffers on every call cost page faults.
+        size = batch * seq_len
+        flat = getattr(self._local, "scratch", None)
+        if flat is None or flat.size < 2 * size:
+            flat = np.empty(2 * size, dtype=np.int64)
+            self._local.scratch = flat
+        return flat[:size].reshape(batch, seq_len), flat[size : 2 * size].reshape(batch, seq_len)
+
+    def _executor(self) -> ThreadPoolExecutor:
+        if self._pool is None or self._pool_pid != os.getpid():  # threads do not survive fork
+            self._pool = ThreadPoolExecutor(self.num_threads - 1, "engram-hash")
+            self._pool_pid = os.getpid()
+        return self._pool
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        for name in ("_local", "_pool", "_pool_pid"):  # per process / per thread
+            del state[name]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._local, self._pool, self._pool_pid = threading.local(), None, None
 
     def shifted_ids(self, input_ids: np.ndarray) -> list[np.ndarray]:
         """`s_k[b, t] = c[b, t-k]` for k = 0..N-1 over compressed ids `c`, with the compressed
@@ -213,7 +248,19 @@ class NgramHashMapping:
         return shifts
 
     def hash(self, input_ids: np.ndarray | torch.Tensor) -> dict[int, np.ndarray | torch.Tensor]:
-        """`{layer_id: int64 [B, T, (N-1)*H]}` for raw ids [B, T] (or [T] -> [T, (N-1)*H])."""
+        """`{layer_id: int64 [B, T, (N-1)*H]}` for raw ids [B, T] (or [T] -> [T, (N-1)*H]).
+
+        The values are views into one `hash_stacked` block (head-major storage, see there)."""
+        return dict(zip(self.layer_ids, self.hash_stacked(input_ids)))
+
+    def hash_stacked(self, input_ids: np.ndarray | torch.Tensor) -> np.ndarray | torch.Tensor:
+        """All layers at once: int64 [L, B, T, (N-1)*H], L in `layer_ids` order.
+
+        Stored head-major ([L, K, B, T] in memory; the result is a permuted view): each head's
+        floor mod writes one contiguous block, and no CPU transpose is spent on a layout that
+        the table lookup does not need. Use `np.ascontiguousarray` / `.contiguous()` if C order
+        matters. One block also means one allocation and one host-to-device copy.
+        """
         as_numpy = not isinstance(input_ids, torch.Tensor)
         device = None if as_numpy else input_ids.device
         ids = np.asarray(input_ids) if as_numpy else input_ids.detach().cpu().numpy()
@@ -223,41 +270,43 @@ class NgramHashMapping:
         ids = ids.reshape(1, -1) if squeeze else ids
         check_raw_ids(ids, self.num_raw_ids)
         shifts = self.shifted_ids(ids.astype(np.int64, copy=False))
-        out: dict[int, np.ndarray | torch.Tensor] = {}
-        for layer_id in self.layer_ids:
-            hashes = self._layer_hash(shifts, layer_id)
-            if squeeze:
-                hashes = hashes[0]
-            out[layer_id] = hashes.numpy() if as_numpy else hashes.to(device)
-        return out
+        batch, seq_len = ids.shape
+        storage = np.empty((len(self.layer_ids), self.num_heads, batch, seq_len), dtype=np.int64)
 
-    def _layer_hash(self, shifts: list[np.ndarray], layer_id: int) -> torch.Tensor:
-        # Floor mod as x - (x // p) * p: numpy divides by a scalar with libdivide (several
-        # times faster than `%`); head-major quotients, then one strided pass writes [B, T, K].
-        batch, seq_len = shifts[0].shape
-        orders, heads = self.max_ngram_size - 1, self.n_head_per_ngram
+        def hash_layers(indices: range) -> None:
+            for index in indices:
+                self._layer_hash(shifts, self.layer_ids[index], storage[index])
+
+        # Layers are independent once the shifted ids exist: deal them out to the threads.
+        groups = [range(i, len(self.layer_ids), self.num_threads) for i in range(self.num_threads)]
+        futures = [self._executor().submit(hash_layers, g) for g in groups[1:] if len(g)]
+        hash_layers(groups[0])
+        for future in futures:
+            future.result()
+
+        stacked = storage.transpose(0, 2, 3, 1)
+        if squeeze:
+            stacked = stacked[:, 0]
+        return stacked if as_numpy else torch.from_numpy(stacked).to(device)
+
+    def _layer_hash(self, shifts: list[np.ndarray], layer_id: int, out: np.ndarray) -> None:
+        """Hashes of one layer into head-major `out` [K, B, T]."""
+        # Floor mod as x - (x // p) * p, one head at a time: numpy divides by a scalar with
+        # libdivide, several times faster than `%` (which issues a hardware division per item).
+        # Where q * p wraps around int64, the subtraction wraps back: the remainder is exact.
+        heads = self.n_head_per_ngram
         m = self.multipliers[layer_id]
-        primes = self.primes[layer_id]
-        mixes = np.empty((orders, batch, seq_len), dtype=np.int64)
-        product = np.empty((batch, seq_len), dtype=np.int64)
-        mix = np.multiply(shifts[0], m[0])
-        for k in range(1, self.max_ngram_size):  # XOR mix of order k+1, built incrementally
+        primes = self.primes[layer_id].tolist()
+        mix, product = self._scratch(*shifts[0].shape)
+        np.multiply(shifts[0], m[0], out=mix)
+        for k in range(1, self.max_ngram_size):  # mix of order n = k + 1, built incrementally
             np.multiply(shifts[k], m[k], out=product)
-            mix = np.bitwise_xor(mix, product, out=mixes[k - 1])
-        quotients = np.empty((orders, heads, batch, seq_len), dtype=np.int64)
-        for order in range(orders):
-            for head in range(heads):
-                p = int(primes[order * heads + head])
-                np.floor_divide(mixes[order], p, out=quotients[order, head])
-        hashes = torch.empty((batch, seq_len, orders, heads), dtype=torch.int64)
-        torch.addcmul(
-            torch.from_numpy(mixes).permute(1, 2, 0).unsqueeze(-1),
-            torch.from_numpy(quotients).permute(2, 3, 0, 1),
-            self._primes_t[layer_id],
-            value=-1,
-            out=hashes,
-        )
-        return hashes.view(batch, seq_len, orders * heads)
+            np.bitwise_xor(mix, product, out=mix)
+            for j in range((k - 1) * heads, k * heads):
+                rem = out[j]
+                np.floor_divide(mix, primes[j], out=rem)
+                np.multiply(rem, primes[j], out=rem)
+                np.subtract(mix, rem, out=rem)
 
     __call__ = hash
 
