@@ -141,3 +141,89 @@ def test_module_parity(case, module_key, tokenizer_cache):
             compared.add(ref_name)
         assert err <= GRAD_RTOL, f"grad of {ref_name}: relative error {err:.3g} > {GRAD_RTOL}"
     assert compared == set(params), f"gradients not checked: {sorted(set(params) - compared)}"
+
+
+# -- module API (no golden data needed) ---------------------------------------------------------
+
+def _small_config(hc_mult=1):
+    from engram_train.config import EngramConfig
+
+    return EngramConfig(use_engram=True, engram_tokenizer_name_or_path="unused",
+                        engram_vocab_size=[300, 200], n_embed_per_ngram=16, n_head_per_ngram=2,
+                        engram_layer_ids=[0, 2], engram_hc_mult=hc_mult)
+
+
+@pytest.mark.parametrize("hc_mult", [1, 3])
+def test_module_layout_and_split_api(hc_mult):
+    torch.manual_seed(0)
+    engram = Engram(_small_config(hc_mult), hidden_size=12, layer_id=2)
+    seq, batch, k = 7, 2, engram.num_heads
+    primes = torch.tensor([p for p in engram.multi_head_embedding.head_sizes])
+    hash_ids = (torch.randint(0, 10**6, (seq, batch, k)) % primes)
+    shape = (seq, batch, 12) if hc_mult == 1 else (seq, batch, hc_mult, 12)
+    hidden = torch.randn(shape)
+    memory = engram.lookup(hash_ids)
+    assert memory.shape == (seq, batch, engram.memory_dim) == (seq, batch, 32)
+    y = engram(hidden, hash_ids=hash_ids)
+    assert y.shape == hidden.shape
+    torch.testing.assert_close(engram(hidden, memory=memory), y, rtol=0, atol=0)
+    # Zero-initialized conv (paper recipe): SiLU(0) = 0, so y is the gated value alone.
+    assert torch.count_nonzero(engram.short_conv.conv.weight) == 0
+    with pytest.raises(ValueError, match="exactly one"):
+        engram(hidden)
+    with pytest.raises(ValueError, match="exactly one"):
+        engram(hidden, hash_ids=hash_ids, memory=memory)
+    with pytest.raises(ValueError, match="sequence first"):
+        engram(hidden[..., :5], memory=memory)
+
+
+def test_module_causality():
+    # Output at t must not depend on hidden or memory after t (the conv is causal).
+    torch.manual_seed(0)
+    engram = Engram(_small_config(), hidden_size=12, layer_id=0, zero_init_conv=False)
+    hidden, memory = torch.randn(9, 1, 12), torch.randn(9, 1, 32)
+    base = engram(hidden, memory=memory)
+    hidden2, memory2 = hidden.clone(), memory.clone()
+    hidden2[6:] += 1.0
+    memory2[6:] -= 1.0
+    torch.testing.assert_close(engram(hidden2, memory=memory2)[:6], base[:6], rtol=0, atol=0)
+
+
+def test_module_params_are_marked():
+    engram = Engram(_small_config(), hidden_size=12, layer_id=0)
+    params = dict(engram.named_parameters())
+    assert all(getattr(p, "is_engram", False) for p in params.values())
+    tables = [n for n, p in params.items() if getattr(p, "is_engram_table", False)]
+    assert tables == ["multi_head_embedding.weight"]
+    assert params["multi_head_embedding.weight"].shape == (
+        engram.multi_head_embedding.num_rows, 8)
+
+
+def test_module_rejects_unknown_layer_and_bad_checkpoint():
+    with pytest.raises(ValueError, match="engram_layer_ids"):
+        Engram(_small_config(), hidden_size=12, layer_id=1)
+    engram = Engram(_small_config(), hidden_size=12, layer_id=0)
+    state = {n: p.detach().clone() for n, p in engram.named_parameters()}
+    state[REFERENCE_TABLE] = state.pop("multi_head_embedding.weight")
+    load_reference_state_dict(engram, state)
+    bad = dict(state, **{"value_proj.weight": torch.zeros(3, 3)})
+    with pytest.raises(ValueError, match="value_proj.weight"):
+        load_reference_state_dict(engram, bad)
+    with pytest.raises(ValueError, match="offsets"):
+        load_reference_state_dict(engram, dict(state, **{
+            "multi_head_embedding.offsets": torch.zeros(engram.num_heads, dtype=torch.long)}))
+    with pytest.raises(ValueError, match="missing"):
+        load_reference_state_dict(engram, {"value_proj.bias": state["value_proj.bias"]})
+
+
+def test_sharded_module_loads_its_rows():
+    engram = Engram(_small_config(), hidden_size=12, layer_id=0)
+    state = {n: p.detach().clone() for n, p in engram.named_parameters()}
+    state[REFERENCE_TABLE] = torch.randn_like(state.pop("multi_head_embedding.weight"))
+    shard = Engram(_small_config(), hidden_size=12, layer_id=0, row_start=100, row_end=400)
+    load_reference_state_dict(shard, state)
+    assert torch.equal(shard.multi_head_embedding.weight, state[REFERENCE_TABLE][100:400])
+    # Partition-invariant init: the shard starts from the full table's rows.
+    torch.testing.assert_close(
+        Engram(_small_config(), 12, 0, row_start=100, row_end=400).multi_head_embedding.weight,
+        engram.multi_head_embedding.weight[100:400], rtol=0, atol=0)
