@@ -116,8 +116,8 @@ class EngramConfig:
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(
-                f"{cls.__name__}.from_dict: unknown field(s) {unknown}; valid Engram fields are "
-                f"{list(cls.field_names())}. Fix the spelling or drop them."
+                f"{cls.__name__}.from_dict: unknown field(s) {unknown}; fix the spelling or drop "
+                f"them (Engram fields: {list(cls.field_names())})."
             )
         return cls(**dict(values))
 
@@ -182,7 +182,8 @@ class EngramConfig:
         n = self.max_ngram_size
         if n < 2:
             raise ValueError(
-                f"max_ngram_size={n} must be >= 2: Engram hashes n-grams of orders 2..max_ngram_size."
+                f"max_ngram_size={n} must be >= 2: Engram hashes n-grams of orders "
+                "2..max_ngram_size."
             )
         if len(self.engram_vocab_size) != n - 1:
             raise ValueError(
@@ -203,7 +204,9 @@ class EngramConfig:
             )
         ids = self.engram_layer_ids
         if not ids:
-            raise ValueError("engram_layer_ids is empty: list the layers to augment, or set use_engram=False.")
+            raise ValueError(
+                "engram_layer_ids is empty: list the layers to augment, or set use_engram=False."
+            )
         negative = [i for i in ids if i < 0]
         if negative:
             raise ValueError(
@@ -215,7 +218,9 @@ class EngramConfig:
         if self.engram_pad_id < 0:
             raise ValueError(f"engram_pad_id={self.engram_pad_id} must be a raw token id >= 0.")
         if self.engram_seed < 0:
-            raise ValueError(f"engram_seed={self.engram_seed} must be >= 0 (numpy seeds are unsigned).")
+            raise ValueError(
+                f"engram_seed={self.engram_seed} must be >= 0 (numpy seeds are unsigned)."
+            )
         if self.engram_kernel_size < 1:
             raise ValueError(f"engram_kernel_size={self.engram_kernel_size} must be >= 1.")
         if self.engram_hc_mult < 1:
@@ -224,7 +229,8 @@ class EngramConfig:
             )
         if self.engram_embedding_parallel_size < 1:
             raise ValueError(
-                f"engram_embedding_parallel_size={self.engram_embedding_parallel_size} must be >= 1."
+                "engram_embedding_parallel_size="
+                f"{self.engram_embedding_parallel_size} must be >= 1."
             )
         method = self.engram_embedding_parallel_method
         if method not in EMBEDDING_PARALLEL_METHODS:
@@ -245,7 +251,8 @@ class EngramConfig:
             )
         if self.engram_reset_at_eos and self.engram_eos_id is None:
             raise ValueError(
-                "engram_reset_at_eos=True needs engram_eos_id: set it to the tokenizer's raw EOS id."
+                "engram_reset_at_eos=True needs engram_eos_id: set it to the tokenizer's raw "
+                "EOS id."
             )
         if self.engram_eos_id is not None and self.engram_eos_id < 0:
             raise ValueError(f"engram_eos_id={self.engram_eos_id} must be a raw token id >= 0.")

@@ -7,6 +7,7 @@ floor modulo), position by position; the vectorized implementation must agree ex
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -31,7 +32,8 @@ from engram_train.engram.hashing import (
 )
 from engram_train.engram.tokenizer import CompressedTokenizer
 
-GOLDEN_TOKENIZER = __import__("golden_cases").GOLDEN_DIR / "tok_bpe4k"
+# The repository's own copy: $ENGRAM_GOLDEN_DIR may point at cases with other tokenizers.
+GOLDEN_TOKENIZER = Path(__file__).resolve().parent / "data" / "golden" / "tok_bpe4k"
 
 
 def _wrap64(x: int) -> int:

@@ -68,7 +68,9 @@ def load_reference_state_dict(
                 continue
             value = value[table.row_start : table.row_end]
         elif value.shape != param.shape:
-            mismatched.append(f"{ref_name}: checkpoint {tuple(value.shape)} vs {tuple(param.shape)}")
+            mismatched.append(
+                f"{ref_name}: checkpoint {tuple(value.shape)} vs {tuple(param.shape)}"
+            )
             continue
         param.copy_(value)
     problems = []
