@@ -42,9 +42,10 @@ def memory_usage() -> tuple[str, float, float]:
             torch.cuda.memory_allocated() / _GIB,
             torch.cuda.max_memory_allocated() / _GIB,
         )
-    import psutil
     import resource
     import sys
+
+    import psutil
 
     rss = psutil.Process().memory_info().rss
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

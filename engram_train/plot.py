@@ -134,8 +134,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("runs", nargs="+", help="run folders or metrics.jsonl files")
     p.add_argument("--out", help="output PNG (default: <run>/loss.png for one run, else loss.png)")
-    p.add_argument("--smooth", type=float, default=0.0, metavar="W",
-                   help="EMA smoothing weight in [0, 1) for the train loss, e.g. 0.6 (default 0: none)")
+    p.add_argument(
+        "--smooth",
+        type=float,
+        default=0.0,
+        metavar="W",
+        help="EMA smoothing weight in [0, 1) for the train loss, e.g. 0.6 (default 0: none)",
+    )
     p.add_argument("--title", help="figure title")
     p.add_argument("--logy", action="store_true", help="log-scale loss axis")
     args = p.parse_args(argv)  # fmt: skip

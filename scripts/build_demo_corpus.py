@@ -69,9 +69,7 @@ SHIPPED = [
 
 
 def fetch_deb(workdir: Path) -> Path:
-    subprocess.run(
-        ["apt-get", "download", f"{DEB_NAME}={DEB_VERSION}"], cwd=workdir, check=True
-    )
+    subprocess.run(["apt-get", "download", f"{DEB_NAME}={DEB_VERSION}"], cwd=workdir, check=True)
     (deb,) = workdir.glob(f"{DEB_NAME}_*.deb")
     return deb
 
@@ -300,10 +298,20 @@ def build(out: Path, deb: Path | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default: examples/data)")
-    p.add_argument("--deb", type=Path, help=f"a downloaded {DEB_NAME}_{DEB_VERSION}_all.deb (default: apt-get download)")
-    p.add_argument("--check", action="store_true", help="rebuild into a temp dir and compare with --out")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--out", type=Path, default=DEFAULT_OUT, help="output folder (default: examples/data)"
+    )
+    p.add_argument(
+        "--deb",
+        type=Path,
+        help=f"a downloaded {DEB_NAME}_{DEB_VERSION}_all.deb (default: apt-get download)",
+    )
+    p.add_argument(
+        "--check", action="store_true", help="rebuild into a temp dir and compare with --out"
+    )
     args = p.parse_args(argv)
 
     if not args.check:
@@ -314,7 +322,11 @@ def main(argv: list[str] | None = None) -> None:
         return
     with tempfile.TemporaryDirectory() as tmp:
         build(Path(tmp), args.deb)
-        differ = [rel for rel in SHIPPED if not filecmp.cmp(Path(tmp) / rel, args.out / rel, shallow=False)]
+        differ = [
+            rel
+            for rel in SHIPPED
+            if not filecmp.cmp(Path(tmp) / rel, args.out / rel, shallow=False)
+        ]
     if differ:
         raise SystemExit(f"rebuilt files differ from {args.out}: {differ}")
     print(f"reproduced: {', '.join(SHIPPED)}")

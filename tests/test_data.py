@@ -62,14 +62,17 @@ def test_tokenizer_missing_names_config_field(tmp_path):
 def test_demo_tokenizer_interface(tok):
     assert tok.vocab_size == 4096
     assert tok.eod == tok.pad == 0 and tok.eod_token == "<|endoftext|>"
-    text = "It is a truth universally acknowledged, that a single man...\n\n\"Oh!\" said she."
+    text = 'It is a truth universally acknowledged, that a single man...\n\n"Oh!" said she.'
     ids = tok.tokenize(text)
     assert all(isinstance(i, int) for i in ids) and 0 not in ids
     assert tok.detokenize(ids) == text
     assert tok.detokenize(np.asarray(ids + [tok.eod])) == text + "<|endoftext|>"
-    assert tok.unique_identifiers["tokenizer_sha256"] == load_tokenizer(
-        Path(DEMO_TOKENIZER) / "tokenizer.json"
-    ).unique_identifiers["tokenizer_sha256"]
+    assert (
+        tok.unique_identifiers["tokenizer_sha256"]
+        == load_tokenizer(Path(DEMO_TOKENIZER) / "tokenizer.json").unique_identifiers[
+            "tokenizer_sha256"
+        ]
+    )
 
 
 def test_tokenizer_config_special_tokens():
@@ -85,7 +88,11 @@ def test_tokenizer_config_special_tokens():
 
 
 def test_preprocess_round_trip_text_and_jsonl(tok, tmp_path):
-    paragraphs = ["First document,\nover two lines.", "Second one.", "Third:  with   spaces\tand tab."]
+    paragraphs = [
+        "First document,\nover two lines.",
+        "Second one.",
+        "Third:  with   spaces\tand tab.",
+    ]
     txt = tmp_path / "docs.txt"
     txt.write_text("\n\n\n".join(paragraphs) + "\n\n", encoding="utf-8")
     records = [{"text": "A jsonl document. é ü —", "id": 1}, {"text": "   "}, {"text": "Last."}]
@@ -117,7 +124,9 @@ def test_preprocess_text_doc_modes(tmp_path):
 
 
 def test_shipped_demo_dataset_matches_corpus(tok):
-    texts = [json.loads(line)["text"] for line in DEMO_JSONL.read_text(encoding="utf-8").splitlines()]
+    texts = [
+        json.loads(line)["text"] for line in DEMO_JSONL.read_text(encoding="utf-8").splitlines()
+    ]
     got = read_indexed(DEMO_DATA_PREFIX)
     assert len(got) == len(texts) == 140
     assert [g.tolist() for g in got] == [ids + [tok.eod] for ids in tok.tokenize_batch(texts)]
@@ -156,7 +165,9 @@ def test_gpt_dataset_deterministic_and_cached(tok, demo_splits, tmp_path):
         DEMO_DATA_PREFIX, tok, seq_length=64, num_samples=(2000, 100, 20),
         split="90,8,2", seed=7, cache_dir=tmp_path,
     )[0]  # fmt: skip
-    assert not all(torch.equal(demo_splits[0][i]["tokens"], other_seed[i]["tokens"]) for i in range(4))
+    assert not all(
+        torch.equal(demo_splits[0][i]["tokens"], other_seed[i]["tokens"]) for i in range(4)
+    )
     assert any(p.name.endswith("shuffle_index.npy") for p in tmp_path.iterdir())
 
 
@@ -210,7 +221,9 @@ def test_dp_split_union_is_the_global_batch(demo_splits, dp_size, micro):
     G = 8
     single = MicroBatchIterator(train, global_batch_size=G, micro_batch_size=G)
     ranks = [
-        MicroBatchIterator(train, global_batch_size=G, micro_batch_size=micro, dp_rank=r, dp_size=dp_size)
+        MicroBatchIterator(
+            train, global_batch_size=G, micro_batch_size=micro, dp_rank=r, dp_size=dp_size
+        )
         for r in range(dp_size)
     ]
     n_micro = G // (micro * dp_size)
@@ -221,7 +234,9 @@ def test_dp_split_union_is_the_global_batch(demo_splits, dp_size, micro):
         for key in ("tokens", "labels", "loss_mask", "position_ids"):
             assert all(mb[key].shape == (micro, 64) for mbs in per_rank for mb in mbs)
             # Megatron order: micro-step k, then rank r, within the global batch.
-            merged = torch.cat([per_rank[r][k][key] for k in range(n_micro) for r in range(dp_size)])
+            merged = torch.cat(
+                [per_rank[r][k][key] for k in range(n_micro) for r in range(dp_size)]
+            )
             assert torch.equal(merged, ref[key])
         assert ref["tokens"].dtype == torch.int64 and ref["loss_mask"].dtype == torch.float32
 
@@ -249,10 +264,15 @@ def test_iterator_stops_before_a_partial_global_batch():
 
 
 def test_batch_size_errors_name_fields():
-    with pytest.raises(ValueError, match=r"global_batch_size \(10\).*micro_batch_size \(4\).*data-parallel size \(1\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"global_batch_size \(10\).*micro_batch_size \(4\).*data-parallel size \(1\)",
+    ):
         MicroBatchIterator([], global_batch_size=10, micro_batch_size=4)
     with pytest.raises(ValueError, match="consumed_samples"):
-        MicroBatchIterator([], global_batch_size=8, micro_batch_size=2, dp_size=2, consumed_samples=6)
+        MicroBatchIterator(
+            [], global_batch_size=8, micro_batch_size=2, dp_size=2, consumed_samples=6
+        )
     with pytest.raises(ValueError, match="dp_rank"):
         MicroBatchIterator([], global_batch_size=8, micro_batch_size=2, dp_rank=2, dp_size=2)
 
@@ -278,16 +298,22 @@ def ngram_hash(tokens: torch.Tensor) -> dict[int, np.ndarray]:
 
 
 def test_prefetch_equals_inline(demo_splits):
-    def batches():
-        return MicroBatchIterator(demo_splits[0], global_batch_size=8, micro_batch_size=2, dp_size=2, dp_rank=1)
+    def batches():  # the validation split: a few dozen micro-batches, iterated to its end
+        return MicroBatchIterator(
+            demo_splits[1], global_batch_size=8, micro_batch_size=2, dp_size=2, dp_rank=1
+        )
 
     inline = list(HashPrefetchIterator(batches(), ngram_hash, prefetch=False))
     with HashPrefetchIterator(batches(), ngram_hash, prefetch=True) as it:
         prefetched = list(it)
     assert len(inline) == len(prefetched) == len(batches())
     for a, b in zip(inline, prefetched):
-        assert set(a) == set(b) == {"tokens", "labels", "loss_mask", "position_ids", "engram_hash_ids"}
-        assert all(torch.equal(a[k], b[k]) for k in ("tokens", "labels", "loss_mask", "position_ids"))
+        assert (
+            set(a) == set(b) == {"tokens", "labels", "loss_mask", "position_ids", "engram_hash_ids"}
+        )
+        assert all(
+            torch.equal(a[k], b[k]) for k in ("tokens", "labels", "loss_mask", "position_ids")
+        )
         assert set(a["engram_hash_ids"]) == {1, 3}
         for layer in (1, 3):
             ids = b["engram_hash_ids"][layer]

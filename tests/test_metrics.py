@@ -18,7 +18,8 @@ from engram_train.metrics import (
     is_logging_rank,
     memory_usage,
 )
-from engram_train.plot import load_metrics, main as plot_main, plot_runs, run_labels, smooth_ema
+from engram_train.plot import load_metrics, plot_runs, run_labels, smooth_ema
+from engram_train.plot import main as plot_main
 
 
 def test_log_line_layout():
@@ -39,7 +40,9 @@ def test_log_line_layout():
     ):
         assert field in line, field
     label, now, peak = memory_usage()
-    assert label == ("alloc/max" if torch.cuda.is_available() and torch.cuda.is_initialized() else "rss/max")
+    assert label == (
+        "alloc/max" if torch.cuda.is_available() and torch.cuda.is_initialized() else "rss/max"
+    )
     assert 0 < now <= peak
     assert re.search(rf"\| mem \(GiB\) {re.escape(label)}: \d+\.\d\d/\d+\.\d\d \|$", line)
     bare = format_log_line(
@@ -81,7 +84,9 @@ def test_metrics_jsonl_and_tensorboard(tmp_path):
     assert {"train/lm_loss", "train/lr", "train/grad_norm", "train/tokens_per_s",
             "train/step_time_s", "val/lm_loss", "train/consumed_samples"} <= tags  # fmt: skip
     assert [(e.step, round(e.value, 4)) for e in acc.Scalars("train/lm_loss")] == [
-        (10, 5.0), (20, 4.0), (30, 3.0)
+        (10, 5.0),
+        (20, 4.0),
+        (30, 3.0),
     ]
     assert [(e.step, e.value) for e in acc.Scalars("val/lm_loss")] == [(20, 5.5)]
 
@@ -100,7 +105,9 @@ def test_resume_drops_the_abandoned_tail(tmp_path):
             w.log(it, lm_loss=float(it))
     with MetricsWriter(tmp_path, tensorboard=False, resume_iteration=3) as w:
         w.log(4, lm_loss=40.0)
-    its = [json.loads(x)["iteration"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    its = [
+        json.loads(x)["iteration"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()
+    ]
     assert its == [1, 2, 3, 4]
     assert load_metrics(tmp_path)["train"] == ([1, 2, 3, 4], [1.0, 2.0, 3.0, 40.0])
 

@@ -36,9 +36,7 @@ HASH_KEY = "engram_hash_ids"
 
 def collate(samples: list[Mapping[str, object]]) -> dict[str, torch.Tensor]:
     """Stack per-sample values (tensors, numpy arrays or scalars) along a new leading dim."""
-    return {
-        key: torch.stack([torch.as_tensor(s[key]) for s in samples]) for key in samples[0]
-    }
+    return {key: torch.stack([torch.as_tensor(s[key]) for s in samples]) for key in samples[0]}
 
 
 class MicroBatchIterator:

@@ -232,6 +232,7 @@ def build_gpt_datasets(
         reset_position_ids, reset_attention_mask, eod_mask_loss: megatron's document-boundary
             options, off by default.
     """
+    import torch
     from megatron.core.datasets.blended_megatron_dataset_builder import (
         BlendedMegatronDatasetBuilder,
     )
@@ -241,7 +242,6 @@ def build_gpt_datasets(
     )
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
     from megatron.core.datasets.indexed_dataset import IndexedDataset
-    import torch
 
     if seq_length <= 0:
         raise ValueError(f"seq_length must be positive, got {seq_length}.")
@@ -251,7 +251,9 @@ def build_gpt_datasets(
     try:
         shares = parse_and_normalize_split(split)
     except (AssertionError, ZeroDivisionError, ValueError):
-        raise ValueError(f"split must be three non-negative shares like '949,50,1', got {split!r}.")
+        raise ValueError(
+            f"split must be three non-negative shares like '949,50,1', got {split!r}."
+        ) from None
     prefixes, weights = parse_blend(data_path)
     for prefix in prefixes:
         if not IndexedDataset.exists(prefix):
@@ -261,7 +263,9 @@ def build_gpt_datasets(
             )
         # megatron 0.16.1 loops forever on a split that gets no document: refuse it here.
         n_docs = len(IndexedDataset(prefix).sequence_lengths)
-        for name, span in zip(("train", "valid", "test"), convert_split_vector_to_split_matrix(shares)):
+        for name, span in zip(
+            ("train", "valid", "test"), convert_split_vector_to_split_matrix(shares)
+        ):
             if span is not None and int(round(span[1] * n_docs)) == int(round(span[0] * n_docs)):
                 raise ValueError(
                     f"split {split!r} gives the {name} split no document of '{prefix}' "

@@ -178,25 +178,50 @@ def build_parser() -> argparse.ArgumentParser:
             "  -> data/corpus_text_document.bin/.idx; train with data.path=data/corpus_text_document"
         ),
     )
-    p.add_argument("--input", nargs="+", required=True, metavar="FILE",
-                   help="input files, processed in the given order (.txt, .jsonl, optionally .gz)")
-    p.add_argument("--output-prefix", required=True,
-                   help="output path prefix; files are <prefix>_<json-key>_document.{bin,idx}")
-    p.add_argument("--tokenizer", required=True,
-                   help="a Hugging Face tokenizer.json or the folder holding it")
-    p.add_argument("--input-format", choices=("auto", "text", "jsonl"), default="auto",
-                   help="auto (default): .jsonl/.json files are JSONL, anything else plain text")
-    p.add_argument("--json-key", default="text",
-                   help="JSONL field holding the document text; also names the output (default: text)")
-    p.add_argument("--text-doc", choices=TEXT_DOC_MODES, default="paragraph",
-                   help="plain text only: what one document is; paragraph (default) = a block "
-                        "ended by a blank line, line = one line, file = the whole file")
-    p.add_argument("--eod-token",
-                   help="end-of-document token (default: the tokenizer's EOS, e.g. <|endoftext|>)")
-    p.add_argument("--no-append-eod", dest="append_eod", action="store_false",
-                   help="do not append the EOD id after each document")
-    p.add_argument("--no-progress", dest="progress", action="store_false",
-                   help="no progress bar")
+    p.add_argument(
+        "--input",
+        nargs="+",
+        required=True,
+        metavar="FILE",
+        help="input files, processed in the given order (.txt, .jsonl, optionally .gz)",
+    )
+    p.add_argument(
+        "--output-prefix",
+        required=True,
+        help="output path prefix; files are <prefix>_<json-key>_document.{bin,idx}",
+    )
+    p.add_argument(
+        "--tokenizer", required=True, help="a Hugging Face tokenizer.json or the folder holding it"
+    )
+    p.add_argument(
+        "--input-format",
+        choices=("auto", "text", "jsonl"),
+        default="auto",
+        help="auto (default): .jsonl/.json files are JSONL, anything else plain text",
+    )
+    p.add_argument(
+        "--json-key",
+        default="text",
+        help="JSONL field holding the document text; also names the output (default: text)",
+    )
+    p.add_argument(
+        "--text-doc",
+        choices=TEXT_DOC_MODES,
+        default="paragraph",
+        help="plain text only: what one document is; paragraph (default) = a block "
+        "ended by a blank line, line = one line, file = the whole file",
+    )
+    p.add_argument(
+        "--eod-token",
+        help="end-of-document token (default: the tokenizer's EOS, e.g. <|endoftext|>)",
+    )
+    p.add_argument(
+        "--no-append-eod",
+        dest="append_eod",
+        action="store_false",
+        help="do not append the EOD id after each document",
+    )
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     return p  # fmt: skip
 
 

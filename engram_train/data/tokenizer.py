@@ -78,14 +78,19 @@ class HFTokenizer(MegatronTokenizerBase):
         cfg_file = file.with_name("tokenizer_config.json")
         if cfg_file.is_file():
             cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
-        self.eod_token = eod_token or _token_str(cfg.get("eos_token")) or self._first(EOD_CANDIDATES)
+        self.eod_token = (
+            eod_token or _token_str(cfg.get("eos_token")) or self._first(EOD_CANDIDATES)
+        )
         if self.eod_token is None:
             raise ValueError(
                 f"{file}: cannot tell the end-of-document token; none of {EOD_CANDIDATES} is in "
                 "the vocabulary. Pass eod_token (preprocess: --eod-token)."
             )
         self.pad_token = (
-            pad_token or _token_str(cfg.get("pad_token")) or self._first(PAD_CANDIDATES) or self.eod_token
+            pad_token
+            or _token_str(cfg.get("pad_token"))
+            or self._first(PAD_CANDIDATES)
+            or self.eod_token
         )
         self._eod = self._id(self.eod_token, "eod_token")
         self._pad = self._id(self.pad_token, "pad_token")
