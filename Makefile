@@ -21,8 +21,9 @@ install: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
+# The embedded default: deepseek_v3_tiny + Engram on the shipped corpus, 2 CPU processes.
 demo: $(STAMP)
-	$(PY) -m engram_train.demo
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc-per-node 2 -m engram_train.train experiment.exp_name=demo
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_hash.py

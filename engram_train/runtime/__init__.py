@@ -25,5 +25,9 @@ __all__ = [
 
 import warnings as _warnings
 
-# megatron-core warns at import time about optional GPU packages on every CPU rank.
+# megatron-core warns at import time about optional GPU packages on every CPU rank, and about
+# its own use of deprecated torch APIs on every step; neither is actionable for a user.
 _warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* not installed.*")
+_warnings.filterwarnings("ignore", message=r".*full scope is deprecated.*")
+_warnings.filterwarnings("ignore", message=r".*is deprecated. Please use `torch.distributed.*")
+_warnings.filterwarnings("ignore", message=r".*\.grad attribute of a Tensor that is not a leaf.*")

@@ -1,0 +1,184 @@
+"""From the Hydra YAML to megatron objects, validated before any process group exists.
+
+``validate_run_config`` checks every cross-field rule of the YAML against the world size
+(torchrun's ``WORLD_SIZE``) and raises ``ConfigError`` naming the key and the fix;
+``build_transformer_config`` turns the ``model`` + ``system`` sections into one
+``EngramMLATransformerConfig`` (megatron's config plus every Engram field).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from engram_train.runtime.distributed import ParallelSizes
+
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+RECOMPUTE = (None, "selective", "full")
+# Preset keys that are not megatron config fields.
+MODEL_ONLY_KEYS = {"first_k_dense_replace"}
+
+
+class ConfigError(ValueError):
+    """A run configuration that cannot work; the message names the key and the fix."""
+
+
+def _get(section: Mapping[str, Any], key: str, default=None):
+    return section.get(key, default) if section is not None else default
+
+
+def parallel_sizes(cfg) -> ParallelSizes:
+    s = cfg.system
+    return ParallelSizes(
+        tensor=int(s.tensor_model_parallel_size),
+        pipeline=int(s.pipeline_model_parallel_size),
+        virtual_pipeline=s.virtual_pipeline_model_parallel_size,
+        expert=int(s.expert_model_parallel_size),
+        context=int(_get(s, "context_parallel_size", 1)),
+    )
+
+
+def sequence_parallel(cfg) -> bool:
+    value = cfg.system.sequence_parallel
+    if value in ("auto", None):
+        return int(cfg.system.tensor_model_parallel_size) > 1
+    return bool(value)
+
+
+def data_parallel_size(cfg, world_size: int) -> int:
+    p = parallel_sizes(cfg)
+    return world_size // (p.tensor * p.pipeline * p.context)
+
+
+def validate_run_config(cfg, world_size: int) -> None:
+    """Every rule that can be checked before torch.distributed starts."""
+    p = parallel_sizes(cfg)
+    try:
+        p.validate(world_size)
+    except ValueError as e:
+        raise ConfigError(f"system: {e}") from None
+    dp = data_parallel_size(cfg, world_size)
+    t, m = cfg.train, cfg.model
+    if t.micro_batch_size < 1 or t.global_batch_size < 1:
+        raise ConfigError("train.micro_batch_size and train.global_batch_size must be >= 1")
+    if t.global_batch_size % (t.micro_batch_size * dp):
+        raise ConfigError(
+            f"train.global_batch_size={t.global_batch_size} must be divisible by "
+            f"train.micro_batch_size={t.micro_batch_size} x data-parallel size {dp} "
+            f"(= world {world_size} / (tensor x pipeline x context)); change either"
+        )
+    if t.train_iters < 1:
+        raise ConfigError(f"train.train_iters={t.train_iters} must be >= 1")
+    for key in ("log_interval", "eval_interval"):
+        if t[key] is not None and t[key] < 1:
+            raise ConfigError(f"train.{key}={t[key]} must be >= 1 (or null to disable)")
+    if m.num_layers % p.pipeline:
+        raise ConfigError(
+            f"model.num_layers={m.num_layers} must be divisible by "
+            f"system.pipeline_model_parallel_size={p.pipeline}"
+        )
+    if p.virtual_pipeline is not None:
+        if p.pipeline < 2:
+            raise ConfigError("system.virtual_pipeline_model_parallel_size needs pipeline_model_parallel_size > 1")
+        if m.num_layers % (p.pipeline * p.virtual_pipeline):
+            raise ConfigError(
+                f"model.num_layers={m.num_layers} must be divisible by pipeline x virtual pipeline "
+                f"size = {p.pipeline * p.virtual_pipeline}"
+            )
+        if (t.global_batch_size // (t.micro_batch_size * dp)) % p.pipeline:
+            raise ConfigError(
+                "with a virtual pipeline the number of micro-batches per step "
+                f"({t.global_batch_size // (t.micro_batch_size * dp)}) must be a multiple of "
+                f"pipeline_model_parallel_size={p.pipeline}: raise train.global_batch_size"
+            )
+    precision = cfg.system.precision
+    if precision not in PRECISIONS:
+        raise ConfigError(f"system.precision={precision!r} must be one of {sorted(PRECISIONS)}")
+    if cfg.system.recompute_granularity not in RECOMPUTE:
+        raise ConfigError(
+            f"system.recompute_granularity={cfg.system.recompute_granularity!r} must be null, selective or full"
+        )
+    if _get(m, "num_moe_experts") and p.tensor > 1 and not sequence_parallel(cfg):
+        raise ConfigError(
+            "MoE with tensor_model_parallel_size > 1 needs sequence parallelism: set "
+            "system.sequence_parallel: true (or auto)"
+        )
+    if _get(m, "num_moe_experts") and m.num_moe_experts % p.expert:
+        raise ConfigError(
+            f"model.num_moe_experts={m.num_moe_experts} must be divisible by "
+            f"system.expert_model_parallel_size={p.expert}"
+        )
+    if _get(m, "use_engram"):
+        eps = int(_get(m, "engram_embedding_parallel_size", 1))
+        if world_size % eps:
+            raise ConfigError(
+                f"model.engram_embedding_parallel_size={eps} must divide the number of processes "
+                f"{world_size}"
+            )
+        if _get(m, "engram_embedding_parallel_method", "alltoall") == "allreduce" and eps not in (1, p.tensor):
+            raise ConfigError(
+                "engram_embedding_parallel_method=allreduce shards tables over the tensor-parallel "
+                f"group: set model.engram_embedding_parallel_size to 1 or {p.tensor} (got {eps})"
+            )
+    _check_data(cfg)
+
+
+def _check_data(cfg) -> None:
+    d = cfg.data
+    tok = Path(str(d.tokenizer))
+    if not tok.exists():
+        raise ConfigError(f"data.tokenizer={d.tokenizer}: no such file or folder (tokenizer.json or its folder)")
+    paths = d.path if isinstance(d.path, str) else [x for i, x in enumerate(d.path) if i % 2 == 1]
+    for prefix in [paths] if isinstance(paths, str) else paths:
+        for ext in (".bin", ".idx"):
+            if not Path(str(prefix) + ext).exists():
+                raise ConfigError(
+                    f"data.path: {prefix}{ext} does not exist; build it with engram-preprocess "
+                    "or point data.path at an indexed dataset prefix"
+                )
+
+
+def padded_vocab_size(vocab_size: int, tensor_parallel: int, divisible_by: int = 128) -> int:
+    """Megatron-LM's padding: a multiple of ``divisible_by * tensor_parallel``."""
+    multiple = divisible_by * tensor_parallel
+    return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+def build_transformer_config(cfg):
+    """``EngramMLATransformerConfig`` for the model and system sections of the YAML."""
+    from omegaconf import OmegaConf
+
+    from engram_train.config import EngramMLATransformerConfig
+    from engram_train.models.deepseek_v3 import backbone_config_kwargs
+
+    model = OmegaConf.to_container(cfg.model, resolve=True)
+    known = {f.name for f in dataclasses.fields(EngramMLATransformerConfig)} | MODEL_ONLY_KEYS
+    unknown = sorted(set(model) - known)
+    if unknown:
+        raise ConfigError(f"model: unknown keys {unknown}; see README 'Configuration reference'")
+    p = parallel_sizes(cfg)
+    s = cfg.system
+    dtype = PRECISIONS[s.precision]
+    fields = dict(model)
+    fields.update(
+        tensor_model_parallel_size=p.tensor,
+        pipeline_model_parallel_size=p.pipeline,
+        virtual_pipeline_model_parallel_size=p.virtual_pipeline,
+        expert_model_parallel_size=p.expert,
+        context_parallel_size=p.context,
+        sequence_parallel=sequence_parallel(cfg),
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=s.precision == "bf16",
+        fp16=s.precision == "fp16",
+        recompute_granularity=s.recompute_granularity,
+    )
+    if s.recompute_granularity == "full":
+        fields.update(recompute_method=s.recompute_method, recompute_num_layers=int(s.recompute_num_layers))
+    try:
+        return EngramMLATransformerConfig(**backbone_config_kwargs(fields))
+    except (ValueError, AssertionError, TypeError) as e:
+        raise ConfigError(f"model/system: {e}") from None
