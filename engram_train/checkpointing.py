@@ -33,11 +33,22 @@ def iteration_dir(root: str | os.PathLike, iteration: int) -> Path:
 
 
 def model_sharded_state_dict(model: list[torch.nn.Module]) -> dict[str, Any]:
-    """Keys as Megatron-LM writes them: ``model`` (or ``model0``, ``model1``... with VPP)."""
+    """Keys as Megatron-LM writes them: ``model`` (or ``model0``, ``model1``... with VPP).
+
+    Engram models are saved with global layer numbers in their keys (megatron's
+    ``non_homogeneous_layers``): only some layers carry Engram, and the Engram tables are
+    row-sharded tensors of their own (``MultiHeadEmbedding.sharded_state_dict``).
+    """
     chunks = unwrap_model(model)
+
+    def state(chunk):
+        if getattr(chunk.config, "use_engram", False):
+            return chunk.sharded_state_dict(metadata={"non_homogeneous_layers": True})
+        return chunk.sharded_state_dict()
+
     if len(chunks) == 1:
-        return {"model": chunks[0].sharded_state_dict()}
-    return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
+        return {"model": state(chunks[0])}
+    return {f"model{i}": state(chunk) for i, chunk in enumerate(chunks)}
 
 
 def _full_sharded_state_dict(model, optimizer, is_loading: bool) -> dict[str, Any]:

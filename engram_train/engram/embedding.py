@@ -3,6 +3,8 @@
 Every head's prime-sized table is concatenated into a single `weight` [rows, D] (row = hash +
 head offset), so sharding is a contiguous row range per rank and the optimizer sees one
 parameter per layer. A rank holds rows [row_start, row_end); on a single rank that is all rows.
+Under model parallelism a *method* object (`engram_train.parallel.AllToAllLookup` or
+`AllReduceLookup`) picks the rows and does the sharded lookup.
 """
 
 from __future__ import annotations
@@ -83,6 +85,8 @@ class MultiHeadEmbedding(nn.Module):
     `weight` holds global rows [row_start, row_end) of the concatenated table; `offsets`
     (int64 [K]) are the head starts. On a full table (single rank) `forward` is a plain gather;
     a shard can do the masked partial lookup of vocab-parallel embeddings (`lookup_rows`).
+    With `parallel` (an embedding-parallel method object) the rows come from
+    `parallel.row_range(num_rows)` and `forward` looks up through `parallel.lookup`.
     """
 
     def __init__(
@@ -95,6 +99,7 @@ class MultiHeadEmbedding(nn.Module):
         init_std: float = 0.02,
         row_start: int = 0,
         row_end: int | None = None,
+        parallel=None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -106,6 +111,14 @@ class MultiHeadEmbedding(nn.Module):
         self.layer_id = int(layer_id)
         self.seed = int(seed)
         self.init_std = float(init_std)
+        self.parallel = parallel
+        if parallel is not None:
+            if row_start != 0 or row_end is not None:
+                raise ValueError(
+                    "give either row_start/row_end or an embedding-parallel method, not both: "
+                    "the method decides which rows this rank holds."
+                )
+            row_start, row_end = parallel.row_range(self.num_rows)
         row_end = self.num_rows if row_end is None else int(row_end)
         if not 0 <= row_start <= row_end <= self.num_rows:
             raise ValueError(
@@ -119,6 +132,7 @@ class MultiHeadEmbedding(nn.Module):
             torch.empty((row_end - row_start, self.embedding_dim), device=device, dtype=dtype)
         )
         mark_engram_param(self.weight, table=True)
+        self.weight.engram_parallel = parallel
         self.weight.engram_layer_id = self.layer_id
         self.weight.engram_row_range = (self.row_start, self.row_end)
         self.weight.engram_num_rows = self.num_rows
@@ -134,9 +148,10 @@ class MultiHeadEmbedding(nn.Module):
         return self.row_start == 0 and self.row_end == self.num_rows
 
     def extra_repr(self) -> str:
+        method = f", method={self.parallel.method}" if self.parallel is not None else ""
         return (
             f"layer_id={self.layer_id}, heads={self.num_heads}, dim={self.embedding_dim}, "
-            f"rows=[{self.row_start}, {self.row_end}) of {self.num_rows}"
+            f"rows=[{self.row_start}, {self.row_end}) of {self.num_rows}{method}"
         )
 
     def table_rows(self, hash_ids: torch.Tensor) -> torch.Tensor:
@@ -165,4 +180,58 @@ class MultiHeadEmbedding(nn.Module):
 
     def forward(self, hash_ids: torch.Tensor) -> torch.Tensor:
         rows = self.table_rows(hash_ids)
+        if self.parallel is not None:
+            return self.parallel.lookup(self, rows).flatten(-2)
         return self.lookup_rows(rows).flatten(-2)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
+        """megatron dist_checkpointing view: the table as one ShardedTensor over its global rows
+        (so a checkpoint saved under one sharding loads under another), replicas named by the
+        method's replica id; the head offsets as a replicated tensor. Called by megatron's
+        ``sharded_state_dict_default`` through the Engram module."""
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+        from megatron.core.transformer.utils import (
+            ensure_metadata_has_dp_cp_group,
+            make_sharded_tensors_for_checkpoint,
+        )
+
+        if sharded_offsets:
+            raise ValueError(
+                f"Engram table of layer {self.layer_id} got sharded offsets {sharded_offsets}: "
+                "Engram layers are not homogeneous, build the model's sharded state dict with "
+                "metadata={'non_homogeneous_layers': True} (engram_train.checkpointing does)."
+            )
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        tp_group, dp_cp_group = _tensor_parallel_group(), metadata["dp_cp_group"]
+        state = make_sharded_tensors_for_checkpoint(
+            {"offsets": self.offsets}, prefix, {}, (), tp_group=tp_group, dp_cp_group=dp_cp_group
+        )
+        if self.parallel is not None:
+            shard, num_shards, replica_id = self.parallel.checkpoint_shard()
+        else:  # a full table replicated like any megatron tensor outside TP
+            shard, num_shards = 0, 1
+            replica_id = (0, _rank(tp_group), _rank(dp_cp_group))
+        key = f"{prefix}weight"
+        if self.num_rows % num_shards == 0:
+            state[key] = ShardedTensor.from_rank_offsets(
+                key, self.weight, (0, shard, num_shards), replica_id=replica_id
+            )
+        else:  # uneven shards: no regular grid, placed by global offset
+            state[key] = ShardedTensor(
+                key, self.weight, self.weight.dtype, tuple(self.weight.shape),
+                (self.num_rows, self.embedding_dim), (self.row_start, 0),
+                axis_fragmentations=None, replica_id=replica_id,
+            )
+        return state
+
+
+def _tensor_parallel_group():
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return None
+    return parallel_state.get_tensor_model_parallel_group()
+
+
+def _rank(group) -> int:
+    return group.rank() if group is not None else 0

@@ -54,8 +54,9 @@ class Engram(nn.Module):
 
     `lookup(hash_ids)` and `forward(hidden, memory=...)` are split so that a prefetcher can
     fetch the memory of the next Engram layer early. `row_start`/`row_end` select the table
-    rows this rank holds (default: all). The conv starts at zero (paper recipe) unless
-    `zero_init_conv=False`.
+    rows this rank holds (default: all); `embedding_parallel` (a method object from
+    `engram_train.parallel`) instead picks them and shards the lookup. The conv starts at zero
+    (paper recipe) unless `zero_init_conv=False`.
     """
 
     def __init__(
@@ -66,6 +67,7 @@ class Engram(nn.Module):
         *,
         row_start: int = 0,
         row_end: int | None = None,
+        embedding_parallel=None,
         zero_init_conv: bool = True,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
@@ -104,6 +106,7 @@ class Engram(nn.Module):
             init_std=self.init_std,
             row_start=row_start,
             row_end=row_end,
+            parallel=embedding_parallel,
             **factory,
         )
         d, e, g = self.hidden_size, self.memory_dim, self.hc_mult
@@ -132,6 +135,22 @@ class Engram(nn.Module):
             self.short_conv.conv.reset_parameters()
         if include_table:
             self.multi_head_embedding.reset_parameters()
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
+        """megatron dist_checkpointing view (megatron's layer calls it for its children): the
+        table as a row-sharded tensor (``MultiHeadEmbedding.sharded_state_dict``), every other
+        tensor replicated as megatron's default treats a plain module."""
+        from megatron.core.transformer.utils import sharded_state_dict_default
+
+        from engram_train.engram.embedding import _tensor_parallel_group
+
+        state = {}
+        for name, child in self.named_children():
+            state.update(sharded_state_dict_default(
+                child, f"{prefix}{name}.", sharded_offsets, metadata,
+                tp_group=_tensor_parallel_group(),
+            ))
+        return state
 
     def lookup(self, hash_ids: torch.Tensor) -> torch.Tensor:
         """Hash ids [S, B, K] (head-local, as NgramHashMapping gives) -> memory [S, B, E]."""

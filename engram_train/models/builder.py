@@ -2,6 +2,8 @@
 
 ``build_gpt_model`` picks the Engram model when ``config.use_engram`` is set and megatron's
 own ``GPTModel`` otherwise, so ``use_engram: false`` is exactly the plain backbone.
+Engram tables are left out of megatron DDP (its data-parallel averaging is the wrong reduction
+for a row shard): ``EngramTableOptimizer`` reduces them (``training/engram_optimizer.py``).
 """
 
 from __future__ import annotations
@@ -58,7 +60,11 @@ def build_model(
     if not wrap_with_ddp:
         return chunks
     ddp_config = ddp_config or DistributedDataParallelConfig(grad_reduce_in_fp32=True)
-    return [
-        DistributedDataParallel(config, ddp_config, module=chunk, disable_bucketing=(i > 0))
-        for i, chunk in enumerate(chunks)
-    ]
+    from engram_train.training.engram_optimizer import engram_table_params, hidden_from_megatron
+
+    # DDP skips parameters that do not require grad; they get it back right after.
+    with hidden_from_megatron(engram_table_params(chunks)):
+        return [
+            DistributedDataParallel(config, ddp_config, module=chunk, disable_bucketing=(i > 0))
+            for i, chunk in enumerate(chunks)
+        ]

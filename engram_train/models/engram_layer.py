@@ -5,6 +5,9 @@ hash ids arrive through the ``context`` argument that megatron's block already h
 layer (and saves with the inputs under full recompute, so a recomputed layer sees the same
 ids); decoder-only GPT models leave that slot unused. The packed tensor is
 ``[S, B, num_engram_layers, K]`` and this layer reads its own slice by global layer id.
+The Engram table is sharded by the model's embedding-parallel method
+(``engram_train.parallel.engram_embedding_parallel``: ``alltoall`` over the Engram
+embedding-parallel group, or ``allreduce`` over this layer's tensor-parallel group).
 Tracks megatron-core 0.16.1 (``TransformerLayer.forward(hidden_states, ..., context=...)``).
 """
 
@@ -20,6 +23,8 @@ from megatron.core.tensor_parallel.mappings import (
 )
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+from engram_train.parallel.embedding import engram_embedding_parallel
 
 
 @dataclass
@@ -43,7 +48,11 @@ class EngramTransformerLayer(TransformerLayer):
             )
         self.engram_slot = layer_ids.index(self.engram_layer_id)
         self.engram = build_module(
-            submodules.engram, config=config, hidden_size=config.hidden_size, layer_id=self.engram_layer_id
+            submodules.engram,
+            config=config,
+            hidden_size=config.hidden_size,
+            layer_id=self.engram_layer_id,
+            embedding_parallel=engram_embedding_parallel(config, tp_group=self.pg_collection.tp),
         )
 
     def engram_branch(self, hidden_states: torch.Tensor, hash_ids: torch.Tensor) -> torch.Tensor:

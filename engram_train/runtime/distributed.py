@@ -1,4 +1,4 @@
-"""Start and stop a job: torch.distributed, megatron parallel_state, seeds.
+"""Start and stop a job: torch.distributed, megatron parallel_state, Engram groups, seeds.
 
 One entry point for every launcher (torchrun, a test, a single process): NCCL when CUDA is
 present, gloo otherwise (with the CPU compatibility layer installed first).
@@ -15,24 +15,39 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from engram_train.parallel.groups import (
+    check_engram_embedding_parallel_size,
+    destroy_engram_parallel,
+    initialize_engram_parallel,
+)
 from engram_train.runtime.cpu_compat import install_cpu_compat
 from engram_train.runtime.megatron_fixes import apply_megatron_fixes
 
 
 @dataclass(frozen=True)
 class ParallelSizes:
-    """The model-parallel layout of a job; data parallel is what remains of the world."""
+    """The model-parallel layout of a job; data parallel is what remains of the world.
+
+    ``engram_embedding`` is the Engram embedding-parallel size (``engram_embedding_parallel_size``
+    of method ``alltoall``): the ranks of a pipeline stage that share each Engram table's rows,
+    independent of ``tensor``; it must divide tensor x data x context (a stage's ranks).
+    """
 
     tensor: int = 1
     pipeline: int = 1
     virtual_pipeline: int | None = None
     expert: int = 1
     context: int = 1
+    engram_embedding: int = 1
 
     def validate(self, world_size: int) -> None:
         for name in ("tensor", "pipeline", "expert", "context"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}_model_parallel_size must be >= 1, got {getattr(self, name)}")
+        if self.engram_embedding < 1:
+            raise ValueError(
+                f"engram_embedding_parallel_size must be >= 1, got {self.engram_embedding}"
+            )
         model = self.tensor * self.pipeline * self.context
         if world_size % model:
             raise ValueError(
@@ -46,6 +61,12 @@ class ParallelSizes:
                 f"expert_model_parallel_size {self.expert} must divide data-parallel x context size "
                 f"{dp * self.context} (world {world_size} / tensor {self.tensor} / pipeline {self.pipeline})"
             )
+        check_engram_embedding_parallel_size(
+            self.engram_embedding,
+            self.tensor * self.context * dp,
+            f" = tensor ({self.tensor}) x context ({self.context}) x data ({dp}) (world "
+            f"{world_size} / pipeline {self.pipeline})",
+        )
 
 
 def device() -> torch.device:
@@ -60,7 +81,8 @@ def initialize_distributed(
     seed: int = 1234,
     timeout_minutes: int = 10,
 ) -> None:
-    """Initialize torch.distributed (from torchrun's env, or as a single process) and megatron.
+    """Initialize torch.distributed (from torchrun's env, or as a single process), megatron's
+    parallel state and the Engram groups (``engram_train.parallel.groups``).
 
     Safe to call once per process; ``destroy_distributed`` undoes it.
     """
@@ -94,6 +116,7 @@ def initialize_distributed(
         expert_model_parallel_size=parallel.expert,
         distributed_timeout_minutes=timeout_minutes,
     )
+    initialize_engram_parallel(parallel.engram_embedding, parallel.pipeline)
     set_seed(seed)
 
 
@@ -115,6 +138,7 @@ def set_seed(seed: int) -> None:
 def destroy_distributed() -> None:
     from megatron.core import parallel_state
 
+    destroy_engram_parallel()
     parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()

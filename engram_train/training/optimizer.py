@@ -1,39 +1,59 @@
 """Optimizer and LR schedule from megatron-core's own pieces.
 
-Engram tables get their own parameter group (LR x ``engram_lr_multiplier``, weight decay
-x 0 by default: the paper's recipe) through megatron's ``config_overrides`` keyed on the
-``is_engram_table`` attribute that ``MultiHeadEmbedding`` sets on its table.
+With ``use_engram`` the Engram tables are kept out of megatron's optimizer (as out of its DDP)
+and stepped by ``EngramTableOptimizer`` (LR x ``engram_lr_multiplier``, weight decay
+``engram_weight_decay``: the paper's recipe), chained after megatron's optimizers in one
+``ChainedOptimizer``: see ``training/engram_optimizer.py`` for why and how gradients, norms and
+clipping combine. Without Engram this is megatron's optimizer alone.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-from megatron.core.optimizer.optimizer_config import ParamKey
-from megatron.core.optimizer import get_standard_config_overrides
+from megatron.core.optimizer import (
+    ChainedOptimizer,
+    OptimizerConfig,
+    get_megatron_optimizer,
+    get_standard_config_overrides,
+)
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 
-def engram_param_overrides(opt_config: OptimizerConfig, model_config: Any) -> dict:
-    """megatron's standard overrides plus the Engram table group."""
-    overrides = get_standard_config_overrides(opt_config)
-    if getattr(model_config, "use_engram", False):
-        mult = model_config.engram_lr_multiplier
-        wd = model_config.engram_weight_decay
-        table_group = {
-            "max_lr": opt_config.lr * mult,
-            "min_lr": (opt_config.min_lr or 0.0) * mult,
-            "wd_mult": (wd / opt_config.weight_decay) if opt_config.weight_decay else 0.0,
-        }
-        overrides[ParamKey(attr="is_engram_table")] = table_group
-    return overrides
-
-
 def build_optimizer(opt_config: OptimizerConfig, model_chunks: list, model_config: Any):
-    return get_megatron_optimizer(
-        opt_config, model_chunks, config_overrides=engram_param_overrides(opt_config, model_config)
+    """megatron's optimizer for ``model_chunks`` (DDP-wrapped), plus the Engram table optimizer."""
+    overrides = get_standard_config_overrides(opt_config)
+    if not getattr(model_config, "use_engram", False):
+        return get_megatron_optimizer(opt_config, model_chunks, config_overrides=overrides)
+
+    from engram_train.parallel.embedding import table_gradient_groups
+    from engram_train.training.engram_optimizer import (
+        EngramTableOptimizer,
+        engram_table_param_group,
+        engram_table_params,
+        hidden_from_megatron,
     )
+
+    tables = engram_table_params(model_chunks)
+    with hidden_from_megatron(tables):
+        megatron_optimizer = get_megatron_optimizer(
+            opt_config, model_chunks, config_overrides=overrides
+        )
+    grad_sync_group, norm_group = table_gradient_groups(model_config)
+    table_optimizer = EngramTableOptimizer(
+        opt_config,
+        tables,
+        engram_table_param_group(opt_config, model_config),
+        grad_sync_group,
+        norm_group,
+        calculate_per_token_loss=getattr(model_config, "calculate_per_token_loss", False),
+    )
+    parts = (
+        megatron_optimizer.chained_optimizers
+        if isinstance(megatron_optimizer, ChainedOptimizer)
+        else [megatron_optimizer]
+    )
+    return ChainedOptimizer([*parts, table_optimizer])
 
 
 def build_lr_scheduler(

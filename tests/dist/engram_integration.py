@@ -107,11 +107,15 @@ def check_layouts(result, layer_ids, tag):
 def grads_after_step(model, batches):
     for chunk in model:
         chunk.zero_grad_buffer()
+        for p in chunk.parameters():
+            p.grad = None
     losses = run_forward_backward(model, batches, SEQ, 2)
     grads = {}
     for i, chunk in enumerate(model):
         for name, p in chunk.named_parameters():
-            grads[f"{i}.{name}"] = p.main_grad.detach().clone()
+            # Engram tables are outside megatron DDP: autograd's .grad, not a DDP main_grad.
+            grad = getattr(p, "main_grad", None)
+            grads[f"{i}.{name}"] = (p.grad if grad is None else grad).detach().clone()
     loss = None
     if losses:
         total = torch.stack([d["lm loss"] for d in losses]).sum(0)
