@@ -14,7 +14,8 @@ MODULE_LAYOUTS = [
     "alltoall_eps1_tp2", "alltoall_eps2_tp2", "alltoall_eps4_tp2",
     "allreduce_tp1", "allreduce_tp2", "allreduce_tp4",
 ]
-TP1_RUNS = ["alltoall_eps1", "alltoall_eps2", "alltoall_eps4", "alltoall_eps2_pp2", "allreduce_tp1"]
+TP1_RUNS = ["alltoall_eps1", "alltoall_eps2", "alltoall_eps4", "alltoall_eps2_pp2",
+            "alltoall_eps2_pp2_recompute", "allreduce_tp1"]
 TP2_RUNS = ["alltoall_eps2_tp2", "alltoall_eps4_tp2", "allreduce_tp2"]
 
 

@@ -4,7 +4,9 @@ Engram embedding-parallel layouts, 4 processes, one launch.
 Every layout loads the same initial weights (a checkpoint written once under TP1/eps 1, so the
 tables also reshard on load) and trains 5 steps on the same global batch (8 sequences; each
 data-parallel rank takes its share, TP peers share theirs) with a small clip_grad, so the
-combined (megatron + table) grad norm decides every update. Recorded per layout:
+combined (megatron + table) grad norm decides every update. Layouts: alltoall eps 1/2/4 (TP1),
+eps 2/4 with TP2 + sequence parallel, eps 2 with PP2 (with and without full recompute),
+allreduce TP1/TP2. Recorded per layout:
 - the 5 losses and grad norms;
 - the full table gradients of the first global batch after the table optimizer's grad sync,
   reassembled from the shards (TP2 must equal TP1: no TP-fold over-count).
@@ -40,13 +42,17 @@ from engram_train.training.step import run_forward_backward, train_step
 LAYER_IDS = [1, 3]
 GLOBAL_BATCH = 8
 STEPS = 5
-LAYOUTS = [  # name, method, ParallelSizes, sequence parallel
+FULL_RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+LAYOUTS = [  # name, method, ParallelSizes, sequence parallel, config overrides
     ("alltoall_eps1", "alltoall", ParallelSizes(), False),
     ("alltoall_eps2", "alltoall", ParallelSizes(engram_embedding=2), False),
     ("alltoall_eps4", "alltoall", ParallelSizes(engram_embedding=4), False),
     ("alltoall_eps2_tp2", "alltoall", ParallelSizes(tensor=2, engram_embedding=2), True),
     ("alltoall_eps4_tp2", "alltoall", ParallelSizes(tensor=2, engram_embedding=4), True),
     ("alltoall_eps2_pp2", "alltoall", ParallelSizes(pipeline=2, engram_embedding=2), False),
+    # Full recompute re-runs the routed lookups inside backward, in the same order on every rank.
+    ("alltoall_eps2_pp2_recompute", "alltoall", ParallelSizes(pipeline=2, engram_embedding=2),
+     False, FULL_RECOMPUTE),
     ("allreduce_tp1", "allreduce", ParallelSizes(), False),
     ("allreduce_tp2", "allreduce", ParallelSizes(tensor=2), True),
 ]
@@ -57,11 +63,11 @@ RESUME_LAYOUTS = [
 ]
 
 
-def setup(layout: ParallelSizes, method="alltoall", sp=False, seed=1):
+def setup(layout: ParallelSizes, method="alltoall", sp=False, seed=1, **overrides):
     parallel_state.destroy_model_parallel()
     initialize_distributed(layout, seed=seed)
     config = engram_config(layout, LAYER_IDS, sp=sp, engram_embedding_parallel_method=method,
-                           engram_embedding_parallel_size=layout.engram_embedding)
+                           engram_embedding_parallel_size=layout.engram_embedding, **overrides)
     model = build_model(config, VOCAB, SEQ, DistributedDataParallelConfig(grad_reduce_in_fp32=True))
     opt_config = OptimizerConfig(optimizer="adam", lr=3e-3, clip_grad=0.05, weight_decay=0.0)
     return config, model, build_optimizer(opt_config, model, config)
@@ -159,8 +165,8 @@ def main():
 
     reference_grads = None
     saved = {}
-    for name, method, layout, sp in LAYOUTS:
-        _, model, optimizer = setup(layout, method, sp)
+    for name, method, layout, sp, *overrides in LAYOUTS:
+        _, model, optimizer = setup(layout, method, sp, **(overrides[0] if overrides else {}))
         load_checkpoint(root / "base", model)
         grads = first_batch_table_grads(model, optimizer)
         if reference_grads is None:
