@@ -14,7 +14,7 @@ the payload this rank handed to collectives (counted in the lookup code; for all
 the tensor, not what the algorithm sends), and the bytes measured on the loopback interface
 (/proc/net/dev, every rank's traffic divided by W; other traffic on the machine adds to it).
 
-    python benchmarks/bench_embedding_parallel.py [--out benchmarks/results/bench_embedding_parallel.json]
+    python benchmarks/bench_embedding_parallel.py [--steps 10] [--out PATH.json]
 
 Launches its W processes itself (torch.multiprocessing).
 """
@@ -221,7 +221,8 @@ def main(argv=None) -> dict:
     for m in ("alltoall", "allreduce"):
         w = f"{wire[m] / mb:9.2f} MB" if wire[m] else "      n/a"
         print(f"  {m:9s}  median step {median[m] * 1e3:8.1f} ms   bytes/rank/step: formula "
-              f"{expected[m] / mb:9.2f} MB, loopback {w}, collective payload {sent[m] / mb:9.2f} MB")
+              f"{expected[m] / mb:9.2f} MB, loopback {w}, "
+              f"collective payload {sent[m] / mb:9.2f} MB")
     print(f"  speedup alltoall over allreduce: {ratio:.2f}x (median step times)")
     print(f"  wrote {args.out}")
     return result

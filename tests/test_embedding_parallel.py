@@ -27,8 +27,10 @@ def module4(tmp_path_factory):
 @pytest.fixture(scope="module")
 def module_small(tmp_path_factory):
     """The same checks at 1 and 2 processes (the layouts that fit)."""
-    return {n: torchrun("embedding_parallel_module.py", n, tmp_path_factory.mktemp(f"emb_module{n}"))
-            for n in (1, 2)}
+    return {
+        n: torchrun("embedding_parallel_module.py", n, tmp_path_factory.mktemp(f"emb_module{n}"))
+        for n in (1, 2)
+    }
 
 
 @pytest.fixture(scope="module")
@@ -52,9 +54,11 @@ def test_row_ranges_tile_the_table_and_balance():
 @pytest.mark.parametrize(
     "sizes, world, match",
     [
-        (ParallelSizes(engram_embedding=3), 4, r"engram_embedding_parallel_size=3 must divide .* 4"),
+        (ParallelSizes(engram_embedding=3), 4,
+         r"engram_embedding_parallel_size=3 must divide .* 4"),
         (ParallelSizes(pipeline=2, engram_embedding=4), 4,
-         r"engram_embedding_parallel_size=4 must divide the number of ranks of a pipeline stage, 2"),
+         r"engram_embedding_parallel_size=4 must divide the number of ranks of a pipeline "
+         r"stage, 2"),
         (ParallelSizes(tensor=2, pipeline=2, engram_embedding=8), 8,
          r"= tensor \(2\) x context \(1\) x data \(2\)"),
         (ParallelSizes(engram_embedding=0), 4, r"engram_embedding_parallel_size must be >= 1"),

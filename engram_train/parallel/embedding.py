@@ -48,7 +48,7 @@ class CommStats:
     """Payload bytes this rank handed to collectives (for benchmarks; off by default)."""
 
     alltoall_sent: int = 0  # bytes sent to other ranks by all-to-all (ids, counts, rows, grads)
-    allreduce_payload: int = 0  # bytes of tensors all-reduced (what goes on the wire is algorithmic)
+    allreduce_payload: int = 0  # bytes of tensors all-reduced (the wire bytes are algorithmic)
     allgather_payload: int = 0  # bytes this rank contributed to all-gathers
     calls: dict[str, int] = field(default_factory=dict)
 
@@ -96,7 +96,8 @@ class _RoutedLookup(torch.autograd.Function):
         if stats is not None:
             stats.count("alltoall_sent", send_counts.element_size() * (size - 1))
             stats.count("alltoall_sent", _sent_bytes(send_splits, me, send_ids.element_size()))
-            stats.count("alltoall_sent", _sent_bytes(recv_splits, me, rows.element_size() * rows.shape[1]))
+            row_bytes = rows.element_size() * rows.shape[1]
+            stats.count("alltoall_sent", _sent_bytes(recv_splits, me, row_bytes))
         ctx.save_for_backward(local, order)
         ctx.splits = (send_splits, recv_splits)
         ctx.routed = True

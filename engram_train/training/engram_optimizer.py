@@ -120,8 +120,8 @@ class EngramTableOptimizer(MegatronOptimizer):
             )
         if config.optimizer != "adam":
             raise ValueError(
-                f"Engram tables are trained with Adam (paper recipe); optimizer={config.optimizer!r}"
-                " is not supported with use_engram."
+                "Engram tables are trained with Adam (paper recipe); "
+                f"optimizer={config.optimizer!r} is not supported with use_engram."
             )
         if calculate_per_token_loss:
             raise NotImplementedError(

@@ -42,7 +42,9 @@ from engram_train.training.step import run_forward_backward, train_step
 LAYER_IDS = [1, 3]
 GLOBAL_BATCH = 8
 STEPS = 5
-FULL_RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+FULL_RECOMPUTE = dict(
+    recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+)
 LAYOUTS = [  # name, method, ParallelSizes, sequence parallel, config overrides
     ("alltoall_eps1", "alltoall", ParallelSizes(), False),
     ("alltoall_eps2", "alltoall", ParallelSizes(engram_embedding=2), False),
@@ -79,7 +81,8 @@ def table_optimizer(optimizer) -> EngramTableOptimizer:
 
 def my_batches():
     batches = repeated_batches(GLOBAL_BATCH, 1, seed=3)
-    dp, rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+    dp = parallel_state.get_data_parallel_world_size()
+    rank = parallel_state.get_data_parallel_rank()
     share = GLOBAL_BATCH // dp
     return batches[rank * share : (rank + 1) * share]
 
@@ -120,7 +123,8 @@ def structure(model, optimizer) -> dict:
         tables_in_megatron_optimizer=len(tables & megatron_params),
         table_optimizer_is_last=optimizer.chained_optimizers[-1] is table_opt,
         table_optimizer_params=len(table_opt.get_parameters()),
-        lrs=[(g.get("is_engram_table", False), g["lr"], g["max_lr"]) for g in optimizer.param_groups],
+        lrs=[(g.get("is_engram_table", False), g["lr"], g["max_lr"])
+             for g in optimizer.param_groups],
     )
 
 
@@ -142,7 +146,8 @@ def train(model, optimizer, steps):
 
 def moments(model, optimizer):
     opt = table_optimizer(optimizer)
-    by_param = {id(p): opt.optimizer.state[main] for p, main in zip(opt.model_params, opt.main_params)}
+    by_param = {id(p): opt.optimizer.state[main]
+                for p, main in zip(opt.model_params, opt.main_params)}
     return {key: reassemble(model, lambda p, key=key: by_param[id(p)][key])
             for key in ("exp_avg", "exp_avg_sq")}
 
