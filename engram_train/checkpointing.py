@@ -54,11 +54,9 @@ def model_sharded_state_dict(model: list[torch.nn.Module]) -> dict[str, Any]:
 def _full_sharded_state_dict(model, optimizer, is_loading: bool) -> dict[str, Any]:
     state = model_sharded_state_dict(model)
     if optimizer is not None:
-        merged: dict[str, Any] = {}
-        for value in state.values():
-            merged.update(value)
+        # The optimizer finds each parameter's sharding in the nested model dicts (all chunks).
         state["optimizer"] = optimizer.sharded_state_dict(
-            merged, is_loading=is_loading, metadata=OPTIMIZER_METADATA
+            dict(state), is_loading=is_loading, metadata=OPTIMIZER_METADATA
         )
     return state
 

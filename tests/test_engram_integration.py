@@ -40,3 +40,14 @@ def test_full_recompute_gives_identical_loss_and_gradients(results):
         assert r["recompute_grads_mismatch"] == []
         assert r["recompute_num_tables"] == 1  # one Engram layer per PP stage
         assert r["recompute_table_grads_nonzero"]
+
+
+def test_virtual_pipeline_matches_pipeline(results):
+    """Same weights, same micro-batches: grad norm and losses agree under PP2 and PP2 x VPP2."""
+    for r in results:
+        pp_norm, pp_loss, pp_next = r["vpp_pp2"]
+        vpp_norm, vpp_loss, vpp_next = r["vpp_vpp2"]
+        assert vpp_norm == pytest.approx(pp_norm, rel=1e-5)
+        if pp_loss is not None:
+            assert vpp_loss == pytest.approx(pp_loss, rel=1e-5)
+            assert vpp_next == pytest.approx(pp_next, rel=1e-5)

@@ -77,6 +77,11 @@ def backbone_config_kwargs(fields: dict[str, Any]) -> dict[str, Any]:
         kwargs["activation_func"] = {"silu": F.silu, "gelu": F.gelu}[kwargs["activation_func"]]
     if not torch.cuda.is_available():
         kwargs.setdefault("use_cpu_initialization", True)
+        # gloo does not group batch_isend_irecv like NCCL: with the interleaved schedule a rank
+        # sends and receives to/from the same peer in one batch (PP=2: prev == next) and gloo
+        # can match an activation with a gradient of the same shape. megatron's unbatched path
+        # orders the ops and uses a second group for one direction when PP=2.
+        kwargs.setdefault("batch_p2p_comm", False)
     return kwargs
 
 

@@ -39,7 +39,32 @@ def apply_megatron_fixes() -> None:
     # `isinstance(x, TELinear)` then raises TypeError. Without TE the flag must read False.
     multi_latent_attention.HAVE_TE = False
     _fix_torch_adam_step_on_load()
+    _fix_load_into_fresh_torch_adam()
     _APPLIED = True
+
+
+def _fix_load_into_fresh_torch_adam() -> None:
+    """``DistributedOptimizer.sharded_state_dict(is_loading=True)`` calls ``self.state_dict()``,
+    which with torch Adam asserts that the per-parameter ``step`` exists: loading a checkpoint
+    into a freshly built optimizer (the normal resume) fails. megatron's own
+    ``_init_optimizer_states_with_dummy_values`` (used on its FSDP path) creates the states that
+    the load then overwrites in place.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = DistributedOptimizer.sharded_state_dict
+    if getattr(original, "_engram_fixed", False):
+        return
+
+    def sharded_state_dict(self, model_sharded_state_dict=None, is_loading=False, *args, **kwargs):
+        if is_loading and len(self.optimizer.state) == 0:
+            self._init_optimizer_states_with_dummy_values()
+        if model_sharded_state_dict is None:
+            model_sharded_state_dict = {}
+        return original(self, model_sharded_state_dict, is_loading, *args, **kwargs)
+
+    sharded_state_dict._engram_fixed = True
+    DistributedOptimizer.sharded_state_dict = sharded_state_dict
 
 
 def _fix_torch_adam_step_on_load() -> None:
