@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import importlib.util
 
+import torch
+
 _APPLIED = False
 
 
@@ -40,7 +42,33 @@ def apply_megatron_fixes() -> None:
     multi_latent_attention.HAVE_TE = False
     _fix_torch_adam_step_on_load()
     _fix_load_into_fresh_torch_adam()
+    _fix_shared_torch_adam_step_after_load()
     _APPLIED = True
+
+
+def _fix_shared_torch_adam_step_after_load() -> None:
+    """``DistributedOptimizer.load_state_dict`` gives every parameter's torch Adam state the
+    *same* ``step`` tensor (its HybridDeviceOptimizer branch clones, the plain one does not).
+    torch Adam increments ``step`` in place per parameter, so after a resume the shared counter
+    grows by the number of parameters each step and the bias correction is wrong from the
+    second step on: resume is no longer exact. Give each parameter its own copy.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = DistributedOptimizer.load_state_dict
+    if getattr(original, "_engram_fixed", False):
+        return
+
+    def load_state_dict(self, state_dict):
+        result = original(self, state_dict)
+        for state in self.optimizer.state.values():
+            step = state.get("step")
+            if isinstance(step, torch.Tensor):
+                state["step"] = step.detach().clone()
+        return result
+
+    load_state_dict._engram_fixed = True
+    DistributedOptimizer.load_state_dict = load_state_dict
 
 
 def _fix_load_into_fresh_torch_adam() -> None:

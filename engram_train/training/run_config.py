@@ -31,13 +31,15 @@ def _get(section: Mapping[str, Any], key: str, default=None):
 
 
 def parallel_sizes(cfg) -> ParallelSizes:
-    s = cfg.system
+    s, m = cfg.system, cfg.model
+    alltoall = _get(m, "use_engram") and _get(m, "engram_embedding_parallel_method", "alltoall") == "alltoall"
     return ParallelSizes(
         tensor=int(s.tensor_model_parallel_size),
         pipeline=int(s.pipeline_model_parallel_size),
         virtual_pipeline=s.virtual_pipeline_model_parallel_size,
         expert=int(s.expert_model_parallel_size),
         context=int(_get(s, "context_parallel_size", 1)),
+        engram_embedding=int(_get(m, "engram_embedding_parallel_size", 1)) if alltoall else 1,
     )
 
 
@@ -59,7 +61,7 @@ def validate_run_config(cfg, world_size: int) -> None:
     try:
         p.validate(world_size)
     except ValueError as e:
-        raise ConfigError(f"system: {e}") from None
+        raise ConfigError(f"system/model: {e}") from None
     dp = data_parallel_size(cfg, world_size)
     t, m = cfg.train, cfg.model
     if t.micro_batch_size < 1 or t.global_batch_size < 1:
@@ -113,15 +115,10 @@ def validate_run_config(cfg, world_size: int) -> None:
         )
     if _get(m, "use_engram"):
         eps = int(_get(m, "engram_embedding_parallel_size", 1))
-        if world_size % eps:
+        if _get(m, "engram_embedding_parallel_method", "alltoall") == "allreduce" and eps != 1:
             raise ConfigError(
-                f"model.engram_embedding_parallel_size={eps} must divide the number of processes "
-                f"{world_size}"
-            )
-        if _get(m, "engram_embedding_parallel_method", "alltoall") == "allreduce" and eps not in (1, p.tensor):
-            raise ConfigError(
-                "engram_embedding_parallel_method=allreduce shards tables over the tensor-parallel "
-                f"group: set model.engram_embedding_parallel_size to 1 or {p.tensor} (got {eps})"
+                "model.engram_embedding_parallel_method=allreduce shards the tables over the "
+                f"tensor-parallel group: set model.engram_embedding_parallel_size: 1 (got {eps})"
             )
     _check_data(cfg)
 
