@@ -127,7 +127,7 @@ def _cfg(*overrides):
         (["model.engram_embedding_parallel_method=allreduce", "model.engram_embedding_parallel_size=2"], 2,
          r"allreduce shards the tables over the tensor-parallel group"),
         (["system.virtual_pipeline_model_parallel_size=2"], 2, r"virtual_pipeline_model_parallel_size"),
-        (["system.expert_model_parallel_size=3"], 3, r"expert_model_parallel_size"),
+        (["system.expert_model_parallel_size=3"], 4, r"expert_model_parallel_size 3 must divide"),
     ],
 )
 def test_bad_configs_fail_before_any_process_group(overrides, world, match):
