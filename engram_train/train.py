@@ -128,6 +128,8 @@ def run(cfg: DictConfig) -> dict:
             scheduler.load_state_dict(extra["scheduler"])
         if is_logger:
             log.info("resumed from %s at iteration %d (%d samples consumed)", cfg.checkpoint.load, iteration, consumed)
+    elif cfg.checkpoint.load and rank == 0:
+        log.warning("checkpoint.load=%s holds no checkpoint yet: training from scratch", cfg.checkpoint.load)
 
     def batches(dataset, consumed_samples):
         it = MicroBatchIterator(

@@ -40,6 +40,16 @@ class ParallelSizes:
     context: int = 1
     engram_embedding: int = 1
 
+    def megatron_kwargs(self) -> dict:
+        """The sizes under megatron's names (``initialize_model_parallel`` and its configs)."""
+        return dict(
+            tensor_model_parallel_size=self.tensor,
+            pipeline_model_parallel_size=self.pipeline,
+            virtual_pipeline_model_parallel_size=self.virtual_pipeline,
+            context_parallel_size=self.context,
+            expert_model_parallel_size=self.expert,
+        )
+
     def validate(self, world_size: int) -> None:
         for name in ("tensor", "pipeline", "expert", "context"):
             if getattr(self, name) < 1:
@@ -109,12 +119,7 @@ def initialize_distributed(
     from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=parallel.tensor,
-        pipeline_model_parallel_size=parallel.pipeline,
-        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline,
-        context_parallel_size=parallel.context,
-        expert_model_parallel_size=parallel.expert,
-        distributed_timeout_minutes=timeout_minutes,
+        **parallel.megatron_kwargs(), distributed_timeout_minutes=timeout_minutes
     )
     initialize_engram_parallel(parallel.engram_embedding, parallel.pipeline)
     set_seed(seed)

@@ -160,12 +160,8 @@ def build_transformer_config(cfg):
     s = cfg.system
     dtype = PRECISIONS[s.precision]
     fields = dict(model)
+    fields.update(p.megatron_kwargs())
     fields.update(
-        tensor_model_parallel_size=p.tensor,
-        pipeline_model_parallel_size=p.pipeline,
-        virtual_pipeline_model_parallel_size=p.virtual_pipeline,
-        expert_model_parallel_size=p.expert,
-        context_parallel_size=p.context,
         sequence_parallel=sequence_parallel(cfg),
         params_dtype=dtype,
         pipeline_dtype=dtype,
