@@ -29,6 +29,32 @@ scheduler (``param_groups`` carry ``max_lr``/``min_lr``/``wd_mult`` like megatro
    the clip factor.
 4. ``step_with_ready_grads`` - torch Adam (AdamW when ``decoupled_weight_decay``, as megatron
    picks), then main -> model copy under bf16.
+
+Optimizer-state offload (``engram_offload_embedding_optimizer_states``). The float32 master copy
+of each table shard and its Adam moments live in host memory and Adam steps on the CPU; the
+tables, their gradients, the grad sync, the grad norm and clipping stay on the device:
+
+- masters: one host float32 tensor per shard (pinned when the table is on a CUDA device), a
+  separate object from the table also for float32 tables; with bf16 tables a pinned host
+  staging buffer in the table's dtype takes the cast master for the upload. Moments
+  (``exp_avg``/``exp_avg_sq``) are ordinary host tensors: they never cross the bus.
+- clipping: megatron's ``clip_grad_by_total_norm_fp32`` wants device float32 ``.grad``s, so
+  ``get_parameters()`` returns device-side *grad carriers* instead of the host masters: the
+  table itself for float32 tables (its ``.grad`` is the synced gradient), and under bf16 a
+  zero-stride float32 view of a single device element shaped like the table (no memory),
+  whose ``.grad`` is set to the synced float32 ``main_grad``. Carriers are only ever read for
+  their ``.grad``; their data must not be used. With a zero-stride carrier the clip writes
+  into ``main_grad``; with the table it writes into ``.grad``, exactly as without offload.
+- step: clipped device grads -> pinned host buffers (async, then one wait), torch Adam/AdamW
+  with the ``foreach`` implementation on the host masters (on CPU it gives the same bits as the
+  default single-tensor loop), then master -> table (cast to the table's dtype; async from
+  pinned memory, awaited before the host buffers are written again).
+- checkpoints: the same keys as without offload (moments, float32 masters under bf16 only; a
+  float32 table's master equals the table and is rebuilt from it on load), so a checkpoint
+  saved with offload loads without it and vice versa.
+
+On a host without CUDA every tensor is already a host tensor; offload still keeps separate
+masters and copies grads and weights as above, so the CPU tests run the same code path.
 """
 
 from __future__ import annotations
@@ -113,6 +139,7 @@ class EngramTableOptimizer(MegatronOptimizer):
         grad_sync_group: dist.ProcessGroup,
         norm_group: dist.ProcessGroup,
         calculate_per_token_loss: bool = False,
+        offload_states: bool = False,
     ) -> None:
         if config.fp16:
             raise NotImplementedError(
@@ -133,17 +160,22 @@ class EngramTableOptimizer(MegatronOptimizer):
         self.grad_stats_parallel_group = norm_group
         self.num_steps = 0
         self.mixed_precision = any(p.dtype != torch.float32 for p in self.model_params)
+        self.offload = bool(offload_states)
         if self.mixed_precision:
-            self.main_params = [
-                torch.nn.Parameter(p.detach().float().clone()) for p in self.model_params
-            ]
             self._hooks = [
                 p.register_post_accumulate_grad_hook(self._accumulate_main_grad)
                 for p in self.model_params
             ]
         else:
-            self.main_params = self.model_params
             self._hooks = []
+        if self.offload:
+            self._init_offload()
+        elif self.mixed_precision:
+            self.main_params = [
+                torch.nn.Parameter(p.detach().float().clone()) for p in self.model_params
+            ]
+        else:
+            self.main_params = self.model_params
         adam_cls = torch.optim.AdamW if config.decoupled_weight_decay else torch.optim.Adam
         group = dict(param_group, params=self.main_params)
         optimizer = adam_cls(
@@ -152,11 +184,82 @@ class EngramTableOptimizer(MegatronOptimizer):
             weight_decay=param_group["weight_decay"],
             betas=(config.adam_beta1, config.adam_beta2),
             eps=config.adam_eps,
+            # Host tensors: torch would pick its single-tensor loop; foreach is the same
+            # algorithm as its CUDA default (and bitwise equal to the loop on CPU).
+            **({"foreach": True} if self.offload else {}),
         )
         super().__init__(optimizer, config, init_state_fn=self._init_state)
         self.is_stub_optimizer = False
         device = self.model_params[0].device if self.model_params else _default_device()
         self._scale = torch.ones(1, dtype=torch.float32, device=device)
+
+    # -- offload -------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _init_offload(self) -> None:
+        """Host masters, pinned host grad buffers, upload staging and device grad carriers."""
+        # Async copies need pinned host memory and a CUDA device on the other side.
+        self._async_copies = torch.cuda.is_available() and any(
+            p.device.type == "cuda" for p in self.model_params
+        )
+        pin = self._async_copies
+
+        def host(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+            return torch.empty(p.shape, dtype=dtype, device="cpu", pin_memory=pin)
+
+        self.main_params = []
+        self._host_grads = []
+        self._upload_buffers = []
+        self._grad_carriers = []
+        for p in self.model_params:
+            main = torch.nn.Parameter(host(p, torch.float32))
+            main.data.copy_(p.detach())
+            self.main_params.append(main)
+            self._host_grads.append(host(p, torch.float32))
+            self._upload_buffers.append(main.data if p.dtype == torch.float32
+                                        else host(p, p.dtype))
+            if not self.mixed_precision:
+                carrier = p  # its .grad is the synced float32 gradient
+            else:  # grads are in main_grad (the hook clears .grad, also of a float32 table):
+                # a zero-stride float32 view of one device element holds it, no memory
+                carrier = torch.zeros((), dtype=torch.float32, device=p.device).expand(p.shape)
+            self._grad_carriers.append(carrier)
+        self._copies_done: Any = None  # CUDA event after the last async copy
+
+    def _wait_for_copies(self) -> None:
+        """Host buffers may be read (after D2H) or written (after H2D) only once this returns."""
+        if self._copies_done is not None:
+            self._copies_done.synchronize()
+            self._copies_done = None
+
+    def _record_copies(self) -> None:
+        if self._async_copies:
+            self._copies_done = torch.cuda.Event()
+            self._copies_done.record()
+
+    @torch.no_grad()
+    def _upload_masters(self) -> None:
+        """Host masters -> device tables, cast to the table's dtype on the host."""
+        self._wait_for_copies()
+        for param, main, staged in zip(self.model_params, self.main_params,
+                                       self._upload_buffers):
+            if staged is not main.data:
+                staged.copy_(main.data)
+            param.data.copy_(staged, non_blocking=self._async_copies)
+        self._record_copies()
+
+    @torch.no_grad()
+    def _refresh_masters_from_model(self) -> None:
+        self._wait_for_copies()
+        for param, main in zip(self.model_params, self.main_params):
+            main.data.copy_(param.data)
+
+    def get_parameters(self) -> list[torch.Tensor]:
+        """Offload: device-side grad carriers (module docstring), which megatron's clipping
+        scales in place; otherwise the tensors Adam steps."""
+        if self.offload:
+            return list(self._grad_carriers)
+        return super().get_parameters()
 
     # -- gradients -----------------------------------------------------------------------
 
@@ -188,14 +291,18 @@ class EngramTableOptimizer(MegatronOptimizer):
             grad.mul_(scale)
             if self.grad_sync_group is not None and self.grad_sync_group.size() > 1:
                 dist.all_reduce(grad, group=self.grad_sync_group)
-            if self.mixed_precision:
+            if self.offload:
+                if self._grad_carriers[index] is not self.model_params[index]:
+                    self._grad_carriers[index].grad = grad
+            elif self.mixed_precision:
                 main.grad = grad
         return False
 
     def get_main_grads_for_grad_norm(self) -> list[torch.Tensor]:
         # Shards are disjoint within the norm group: no TP-duplicate filtering (megatron's
         # default would drop every TP rank but the first).
-        return [p.grad for p in self.main_params if p.grad is not None]
+        holders = self._grad_carriers if self.offload else self.main_params
+        return [p.grad for p in holders if p.grad is not None]
 
     def get_grad_stats_parallel_group(self) -> dist.ProcessGroup:
         return self.grad_stats_parallel_group
@@ -220,7 +327,10 @@ class EngramTableOptimizer(MegatronOptimizer):
             param.grad = None
             if getattr(param, "main_grad", None) is not None:
                 param.main_grad.zero_()
-        if self.mixed_precision:
+        if self.offload:
+            for carrier in self._grad_carriers:
+                carrier.grad = None
+        elif self.mixed_precision:
             for main in self.main_params:
                 main.grad = None
 
@@ -231,10 +341,29 @@ class EngramTableOptimizer(MegatronOptimizer):
 
     @torch.no_grad()
     def step_with_ready_grads(self) -> bool:
+        if self.offload:
+            return self._offloaded_step()
         self.optimizer.step()
         if self.mixed_precision:
             for param, main in zip(self.model_params, self.main_params):
                 param.data.copy_(main.data)
+        self.num_steps += 1
+        return True
+
+    @torch.no_grad()
+    def _offloaded_step(self) -> bool:
+        """Device grads -> host, Adam on the host masters, masters -> device tables."""
+        self._wait_for_copies()
+        for index, (main, host_grad) in enumerate(zip(self.main_params, self._host_grads)):
+            grad = self._grad_carriers[index].grad
+            if grad is None:  # not prepared (no prepare_grads this step): a zero gradient
+                grad = self._local_grad(index)
+            host_grad.copy_(grad, non_blocking=self._async_copies)
+            main.grad = host_grad
+        self._record_copies()
+        self._wait_for_copies()
+        self.optimizer.step()
+        self._upload_masters()
         self.num_steps += 1
         return True
 
@@ -250,7 +379,9 @@ class EngramTableOptimizer(MegatronOptimizer):
 
     @torch.no_grad()
     def reload_model_params(self, state_dict=None) -> None:
-        if self.mixed_precision:
+        if self.offload:
+            self._refresh_masters_from_model()
+        elif self.mixed_precision:
             for param, main in zip(self.model_params, self.main_params):
                 main.data.copy_(param.data.float())
 
@@ -265,7 +396,19 @@ class EngramTableOptimizer(MegatronOptimizer):
                     optimizer.state[p]["exp_avg"] = torch.zeros_like(p.data)
                     optimizer.state[p]["exp_avg_sq"] = torch.zeros_like(p.data)
 
+    def offload_to_cpu(self) -> None:
+        """megatron's RL hook; with offload the states already live in host memory."""
+        if not self.offload:
+            super().offload_to_cpu()
+
+    def restore_from_cpu(self) -> None:
+        """megatron's RL hook; with offload the states stay in host memory."""
+        if not self.offload:
+            super().restore_from_cpu()
+
     def state_dict(self) -> dict:
+        # Same keys with and without offload: a float32 table's master is the table itself
+        # (no offload) or an exact copy of it (offload), so only bf16 masters are saved.
         return {
             "optimizer": self.optimizer.state_dict(),
             "fp32_main_params": self.main_params if self.mixed_precision else None,
@@ -303,11 +446,17 @@ class EngramTableOptimizer(MegatronOptimizer):
         optimizer_state["param_groups"] = self._filter_and_reorder_param_groups(
             self.optimizer.param_groups, optimizer_state["param_groups"]
         )
+        if self.offload:
+            self._wait_for_copies()
         self.optimizer.load_state_dict(optimizer_state)
-        if self.mixed_precision and state_dict.get("fp32_main_params") is not None:
+        saved_mains = state_dict.get("fp32_main_params") if self.mixed_precision else None
+        if saved_mains is not None:
             with torch.no_grad():
-                for main, saved in zip(self.main_params, state_dict["fp32_main_params"]):
+                for main, saved in zip(self.main_params, saved_mains):
                     main.data.copy_(saved)
+        elif self.offload:
+            # float32 tables (or a checkpoint without masters): the model was loaded first.
+            self._refresh_masters_from_model()
         self.num_steps = num_steps
 
 
