@@ -164,7 +164,42 @@ class _GatherKeepSlice(torch.autograd.Function):
         return grad[start : start + ctx.chunk], None, None
 
 
-class AllToAllLookup:
+class _ShardedLookup:
+    """What both methods share: a group whose ranks own contiguous row blocks of each table,
+    the groups that reduce table gradients and their norm, and the checkpoint placement."""
+
+    method = ""
+
+    def __init__(
+        self,
+        shard_group: dist.ProcessGroup | None,
+        grad_sync_group: dist.ProcessGroup | None,
+        norm_group: dist.ProcessGroup | None,
+        stats: CommStats | None,
+    ) -> None:
+        self.shard_group = shard_group
+        self.grad_sync_group = grad_sync_group
+        self.norm_group = norm_group
+        self.stats = stats
+
+    @property
+    def num_shards(self) -> int:
+        return self.shard_group.size() if self.shard_group is not None else 1
+
+    @property
+    def shard_rank(self) -> int:
+        return self.shard_group.rank() if self.shard_group is not None else 0
+
+    def row_range(self, num_rows: int) -> tuple[int, int]:
+        return row_range(num_rows, self.shard_rank, self.num_shards)
+
+    def checkpoint_shard(self) -> tuple[int, int, Any]:
+        """(shard index, number of shards, replica id) of this rank's rows."""
+        replica = self.grad_sync_group.rank() if self.grad_sync_group is not None else 0
+        return self.shard_rank, self.num_shards, replica
+
+
+class AllToAllLookup(_ShardedLookup):
     """Method ``alltoall``: rows over the EmbP group, ids routed to owners (module doc)."""
 
     method = "alltoall"
@@ -177,28 +212,10 @@ class AllToAllLookup:
         norm_group: dist.ProcessGroup | None = None,
         stats: CommStats | None = None,
     ) -> None:
+        super().__init__(embedding_group, grad_sync_group, norm_group, stats)
         self.embedding_group = embedding_group
         self.tensor_group = tensor_group
-        self.grad_sync_group = grad_sync_group
-        self.norm_group = norm_group
-        self.stats = stats
         self._boundaries: dict[tuple[int, torch.device], torch.Tensor] = {}
-
-    @property
-    def num_shards(self) -> int:
-        return self.embedding_group.size() if self.embedding_group is not None else 1
-
-    @property
-    def shard_rank(self) -> int:
-        return self.embedding_group.rank() if self.embedding_group is not None else 0
-
-    def row_range(self, num_rows: int) -> tuple[int, int]:
-        return row_range(num_rows, self.shard_rank, self.num_shards)
-
-    def checkpoint_shard(self) -> tuple[int, int, Any]:
-        """(shard index, number of shards, replica id) of this rank's rows."""
-        replica = self.grad_sync_group.rank() if self.grad_sync_group is not None else 0
-        return self.shard_rank, self.num_shards, replica
 
     def lookup(self, embedding, rows: torch.Tensor) -> torch.Tensor:
         """Global rows [...] -> [..., D] through the owners."""
@@ -223,7 +240,7 @@ class AllToAllLookup:
         return values.view(*rows.shape, values.shape[-1])
 
 
-class AllReduceLookup:
+class AllReduceLookup(_ShardedLookup):
     """Method ``allreduce``: rows over the TP group, masked local lookup + all-reduce."""
 
     method = "allreduce"
@@ -235,25 +252,8 @@ class AllReduceLookup:
         norm_group: dist.ProcessGroup | None = None,
         stats: CommStats | None = None,
     ) -> None:
+        super().__init__(tensor_group, grad_sync_group, norm_group, stats)
         self.tensor_group = tensor_group
-        self.grad_sync_group = grad_sync_group
-        self.norm_group = norm_group
-        self.stats = stats
-
-    @property
-    def num_shards(self) -> int:
-        return self.tensor_group.size() if self.tensor_group is not None else 1
-
-    @property
-    def shard_rank(self) -> int:
-        return self.tensor_group.rank() if self.tensor_group is not None else 0
-
-    def row_range(self, num_rows: int) -> tuple[int, int]:
-        return row_range(num_rows, self.shard_rank, self.num_shards)
-
-    def checkpoint_shard(self) -> tuple[int, int, Any]:
-        replica = self.grad_sync_group.rank() if self.grad_sync_group is not None else 0
-        return self.shard_rank, self.num_shards, replica
 
     def lookup(self, embedding, rows: torch.Tensor) -> torch.Tensor:
         if self.num_shards == 1:

@@ -94,8 +94,7 @@ def reassemble(model, tensors_of) -> dict[int, torch.Tensor]:
         for module in chunk.modules():
             if type(module).__name__ != "MultiHeadEmbedding":
                 continue
-            shard_group = (module.parallel.embedding_group if module.parallel.method == "alltoall"
-                           else module.parallel.tensor_group)
+            shard_group = module.parallel.shard_group
             full = torch.zeros(module.num_rows, module.embedding_dim, dtype=torch.float64)
             full[module.row_start : module.row_end] = tensors_of(module.weight).detach().double()
             dist.all_reduce(full, group=shard_group)
