@@ -23,26 +23,17 @@ from pathlib import Path
 import numpy as np
 from megatron.core.tokenizers import MegatronTokenizerBase
 
+from engram_train.engram.tokenizer import TokenizerNotFoundError  # noqa: F401  (re-exported)
+from engram_train.engram.tokenizer import resolve_tokenizer_file as _resolve
+
 # Looked up in order when the tokenizer folder has no tokenizer_config.json naming an EOS token.
 EOD_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[SEP]")
 PAD_CANDIDATES = ("<pad>", "<|pad|>", "[PAD]")
 
 
-class TokenizerNotFoundError(FileNotFoundError):
-    """The path given as ``data.tokenizer`` holds no ``tokenizer.json``."""
-
-
 def resolve_tokenizer_file(path: str | os.PathLike) -> Path:
-    """Return the ``tokenizer.json`` that `path` names: the file itself or the one in the folder."""
-    p = Path(path).expanduser()
-    file = p / "tokenizer.json" if p.is_dir() else p
-    if not file.is_file():
-        raise TokenizerNotFoundError(
-            f"data.tokenizer: no tokenizer.json at '{path}'. Set data.tokenizer to a Hugging Face "
-            "tokenizer.json or the folder holding one (the demo tokenizer is "
-            "examples/data/tokenizer)."
-        )
-    return file
+    """Return the ``tokenizer.json`` that `path` (``data.tokenizer``) names."""
+    return _resolve(path, field="data.tokenizer", hint="; the demo tokenizer is examples/data/tokenizer")
 
 
 class HFTokenizer(MegatronTokenizerBase):

@@ -42,17 +42,23 @@ def _normalizer():
     )
 
 
-def resolve_tokenizer_file(name_or_path: str | os.PathLike) -> Path:
-    """A `tokenizer.json` path, or a folder holding one; hub names are not fetched."""
+class TokenizerNotFoundError(FileNotFoundError):
+    """No ``tokenizer.json`` where a config field points."""
+
+
+def resolve_tokenizer_file(
+    name_or_path: str | os.PathLike, field: str = "engram_tokenizer_name_or_path", hint: str = ""
+) -> Path:
+    """The ``tokenizer.json`` that `name_or_path` names (the file, or the one in the folder);
+    hub names are not fetched. The error names the config `field` to fix."""
     path = Path(name_or_path).expanduser()
-    if path.is_dir():
-        path = path / "tokenizer.json"
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"no tokenizer file at {path}: engram_tokenizer_name_or_path must be a local "
-            "tokenizer.json or a folder containing one (download it beforehand)."
+    file = path / "tokenizer.json" if path.is_dir() else path
+    if not file.is_file():
+        raise TokenizerNotFoundError(
+            f"{field}: no tokenizer.json at '{name_or_path}'. Set {field} to a local Hugging Face "
+            f"tokenizer.json or the folder holding one (download it beforehand){hint}."
         )
-    return path
+    return file
 
 
 def default_cache_dir() -> Path:

@@ -124,14 +124,24 @@ def validate_run_config(cfg, world_size: int) -> None:
 
 
 def _check_data(cfg) -> None:
+    from omegaconf import OmegaConf
+
+    from engram_train.data.datasets import parse_blend
+    from engram_train.engram.tokenizer import TokenizerNotFoundError, resolve_tokenizer_file
+
     d = cfg.data
-    tok = Path(str(d.tokenizer))
-    if not tok.exists():
-        raise ConfigError(f"data.tokenizer={d.tokenizer}: no such file or folder (tokenizer.json or its folder)")
-    paths = d.path if isinstance(d.path, str) else [x for i, x in enumerate(d.path) if i % 2 == 1]
-    for prefix in [paths] if isinstance(paths, str) else paths:
+    try:
+        resolve_tokenizer_file(str(d.tokenizer), field="data.tokenizer")
+    except TokenizerNotFoundError as e:
+        raise ConfigError(str(e)) from None
+    path = OmegaConf.to_container(d.path) if OmegaConf.is_config(d.path) else d.path
+    try:
+        prefixes, _ = parse_blend(path)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    for prefix in prefixes:
         for ext in (".bin", ".idx"):
-            if not Path(str(prefix) + ext).exists():
+            if not Path(prefix + ext).exists():
                 raise ConfigError(
                     f"data.path: {prefix}{ext} does not exist; build it with engram-preprocess "
                     "or point data.path at an indexed dataset prefix"
