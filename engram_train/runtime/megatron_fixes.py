@@ -56,8 +56,6 @@ def _fix_shared_torch_adam_step_after_load() -> None:
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     original = DistributedOptimizer.load_state_dict
-    if getattr(original, "_engram_fixed", False):
-        return
 
     def load_state_dict(self, state_dict):
         result = original(self, state_dict)
@@ -67,7 +65,6 @@ def _fix_shared_torch_adam_step_after_load() -> None:
                 state["step"] = step.detach().clone()
         return result
 
-    load_state_dict._engram_fixed = True
     DistributedOptimizer.load_state_dict = load_state_dict
 
 
@@ -81,8 +78,6 @@ def _fix_load_into_fresh_torch_adam() -> None:
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     original = DistributedOptimizer.sharded_state_dict
-    if getattr(original, "_engram_fixed", False):
-        return
 
     def sharded_state_dict(self, model_sharded_state_dict=None, is_loading=False, *args, **kwargs):
         if is_loading and len(self.optimizer.state) == 0:
@@ -91,7 +86,6 @@ def _fix_load_into_fresh_torch_adam() -> None:
             model_sharded_state_dict = {}
         return original(self, model_sharded_state_dict, is_loading, *args, **kwargs)
 
-    sharded_state_dict._engram_fixed = True
     DistributedOptimizer.sharded_state_dict = sharded_state_dict
 
 
@@ -105,8 +99,6 @@ def _fix_torch_adam_step_on_load() -> None:
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     original = DistributedOptimizer._set_main_param_and_optimizer_states
-    if getattr(original, "_engram_fixed", False):
-        return
 
     def _set_main_param_and_optimizer_states(self, model_param, tensors):
         if "step" not in tensors and not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
@@ -117,5 +109,4 @@ def _fix_torch_adam_step_on_load() -> None:
                 tensors = dict(tensors, step=state["step"])
         return original(self, model_param, tensors)
 
-    _set_main_param_and_optimizer_states._engram_fixed = True
     DistributedOptimizer._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states

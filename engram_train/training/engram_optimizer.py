@@ -74,6 +74,8 @@ from megatron.core.optimizer import OptimizerConfig
 from megatron.core.optimizer.clip_grads import get_grad_norm_fp32
 from megatron.core.optimizer.optimizer import MegatronOptimizer
 
+from engram_train.runtime.distributed import device as runtime_device
+
 
 def engram_table_params(modules: Iterable[torch.nn.Module]) -> list[torch.nn.Parameter]:
     """Engram table parameters (``is_engram_table``) of ``modules``, each once, in model order."""
@@ -190,7 +192,7 @@ class EngramTableOptimizer(MegatronOptimizer):
         )
         super().__init__(optimizer, config, init_state_fn=self._init_state)
         self.is_stub_optimizer = False
-        device = self.model_params[0].device if self.model_params else _default_device()
+        device = self.model_params[0].device if self.model_params else runtime_device()
         self._scale = torch.ones(1, dtype=torch.float32, device=device)
 
     # -- offload -------------------------------------------------------------------------
@@ -458,9 +460,3 @@ class EngramTableOptimizer(MegatronOptimizer):
             # float32 tables (or a checkpoint without masters): the model was loaded first.
             self._refresh_masters_from_model()
         self.num_steps = num_steps
-
-
-def _default_device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

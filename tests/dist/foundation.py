@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from common import parse_args, repeated_batches, tiny_config, write_result, VOCAB, SEQ
 
-from engram_train.runtime import ParallelSizes, initialize_distributed, set_seed
+from engram_train.runtime import ParallelSizes, initialize_distributed
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig
