@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 EMBEDDING_PARALLEL_METHODS = ("alltoall", "allreduce")
+TABLE_OPTIMIZERS = ("sparse_adam", "adam")
 
 _BOOL_FIELDS = (
     "use_engram",
@@ -81,6 +82,10 @@ class EngramConfig:
 
     engram_offload_embedding_optimizer_states: bool = False
     """Keep the Engram tables' optimizer states (and fp32 master) in host memory."""
+
+    engram_optimizer: str = "sparse_adam"
+    """Table optimizer: 'sparse_adam' (lazy row-wise Adam: a step costs the rows its tokens
+    touch) or 'adam' (dense Adam: every row moves every step, cost scales with the table)."""
 
     engram_lr_multiplier: float = 5.0
     """Engram table learning rate = base learning rate x this (paper: 5)."""
@@ -172,6 +177,11 @@ class EngramConfig:
                     f"engram_tokenizer_name_or_path must be a path string, got {path!r}."
                 )
             self.engram_tokenizer_name_or_path = os.fspath(path)
+        if not isinstance(self.engram_optimizer, str):
+            raise TypeError(
+                f"engram_optimizer must be a string, one of {TABLE_OPTIMIZERS}, "
+                f"got {self.engram_optimizer!r}."
+            )
         if not isinstance(self.engram_embedding_parallel_method, str):
             raise TypeError(
                 "engram_embedding_parallel_method must be a string, one of "
@@ -237,6 +247,11 @@ class EngramConfig:
             raise ValueError(
                 f"engram_embedding_parallel_method={method!r} is unknown: use one of "
                 f"{EMBEDDING_PARALLEL_METHODS}."
+            )
+        if self.engram_optimizer not in TABLE_OPTIMIZERS:
+            raise ValueError(
+                f"engram_optimizer={self.engram_optimizer!r} is unknown: use 'sparse_adam' "
+                "(row-wise, cost follows the tokens) or 'adam' (dense, cost follows the table)."
             )
         if method == "allreduce" and self.engram_embedding_parallel_size != 1:
             raise ValueError(

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from engram_train.engram.hashing import head_offsets
+from engram_train.engram.row_grad import gather_rows
 
 INIT_BLOCK_ROWS = 4096
 """Rows per independently seeded init block. Part of the init's definition: changing it
@@ -165,18 +166,23 @@ class MultiHeadEmbedding(nn.Module):
 
     def lookup_rows(self, rows: torch.Tensor, partial: bool = False) -> torch.Tensor:
         """Gather global rows [...] -> [..., D]. With `partial`, rows owned by other ranks give
-        zeros (the caller sums over the shards); without it the table must be full."""
-        if not partial:
-            if not self.is_full_table:
-                raise RuntimeError(
-                    f"table of layer {self.layer_id} is a shard [{self.row_start}, "
-                    f"{self.row_end}); use the sharded lookup or lookup_rows(partial=True)."
-                )
-            return nn.functional.embedding(rows, self.weight)
-        local = rows - self.row_start
-        owned = (local >= 0) & (local < self.weight.shape[0])
-        values = nn.functional.embedding(torch.where(owned, local, 0), self.weight)
-        return values * owned.unsqueeze(-1).to(values.dtype)
+        zeros (the caller sums over the shards); without it the table must be full.
+
+        Each distinct row is read once; the backward is row-sparse for a table armed by the
+        table optimizer (``engram/row_grad.py``)."""
+        if not partial and not self.is_full_table:
+            raise RuntimeError(
+                f"table of layer {self.layer_id} is a shard [{self.row_start}, "
+                f"{self.row_end}); use the sharded lookup or lookup_rows(partial=True)."
+            )
+        unique, inverse = torch.unique(rows.reshape(-1), sorted=True, return_inverse=True)
+        local = unique - self.row_start
+        owned = None
+        if partial:
+            owned = (local >= 0) & (local < self.weight.shape[0])
+            local = torch.where(owned, local, 0)
+        values = gather_rows(self.weight, local, owned)
+        return values.index_select(0, inverse).view(*rows.shape, self.embedding_dim)
 
     def forward(self, hash_ids: torch.Tensor) -> torch.Tensor:
         rows = self.table_rows(hash_ids)

@@ -4,19 +4,22 @@ A *method* object tells a ``MultiHeadEmbedding`` which rows it holds (``row_rang
 look rows up (``lookup``), how its gradient is reduced (``grad_sync_group``, ``norm_group``)
 and how its shard is checkpointed (``checkpoint_shard``). Words as in ``groups.py``.
 
-``alltoall`` (default): rows are split over the Engram embedding-parallel (EmbP) group. Each
-rank sends the ids it needs to their owners and gets the rows back with ``all_to_all_single``
-(counts first: the splits are uneven); backward sends the row gradients to the owners the same
-way and the owners ``index_add`` them into their shard's gradient. Tensor-parallel peers hold
-the same micro-batch, so they split its ids (TP rank r looks up the r-th 1/TP of the
-micro-batch's (position, head) ids) and all-gather the rows over TP; the backward of that
-gather keeps this rank's slice, because the Engram branch downstream is computed identically on
-every TP rank (its memory gradient is the same on all of them). Every id of the job is thus
-looked up once, and every row gradient reaches its owner once.
+``alltoall`` (default): rows are split over the Engram embedding-parallel (EmbP) group. A
+micro-batch's ids are deduplicated first (``torch.unique``: each distinct row is requested once),
+then each rank sends the distinct ids it needs to their owners and gets the rows back with
+``all_to_all_single`` (counts first: the splits are uneven). Backward: the gradients of a
+distinct row's positions are summed locally (the backward of the expansion), one row per distinct
+id goes back to its owner, and the owner's table receives (rows, gradient rows) pairs, never a
+dense table gradient (``engram/row_grad.py``). Tensor-parallel peers hold the same micro-batch,
+so they split its distinct ids (TP rank r fetches the r-th block) and all-gather the rows over
+TP; the backward of that gather keeps this rank's block, because the Engram branch downstream is
+computed identically on every TP rank. Every distinct id of a micro-batch is thus fetched once,
+and every row gradient reaches its owner once.
 
 ``allreduce`` (baseline): rows are split over the tensor-parallel group as a vocab-parallel
-embedding: masked local lookup of every id, all-reduce over TP; backward needs no collective
-(each rank's masked lookup gives exactly its shard's gradient).
+embedding: masked local lookup of the micro-batch's distinct ids, all-reduce of [distinct, D]
+over TP; backward needs no collective (each rank's masked lookup gives exactly its shard's
+gradient rows).
 
 Nothing here scales gradients: the table optimizer (``training/engram_optimizer.py``) sums
 them over ``grad_sync_group`` and applies megatron DDP's averaging.
@@ -29,7 +32,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
+
+from engram_train.engram.row_grad import gather_rows
 
 
 def row_range(num_rows: int, rank: int, size: int) -> tuple[int, int]:
@@ -65,63 +69,60 @@ def _sent_bytes(splits: list[int], me: int, row_bytes: int) -> int:
     return (sum(splits) - splits[me]) * row_bytes
 
 
-class _RoutedLookup(torch.autograd.Function):
-    """ids (global rows, any owner) -> their rows, through the owners; see the module doc."""
+def route_ids(ids: torch.Tensor, boundaries: torch.Tensor, group, stats):
+    """Send sorted distinct global rows to their owners: (ids this rank must serve,
+    splits of what it sends, splits of what it receives). Sorted ids are already grouped by
+    owner (owners hold contiguous row blocks), so no permutation is needed."""
+    size = group.size()
+    owner = torch.searchsorted(boundaries, ids, right=True) - 1
+    send_counts = torch.bincount(owner, minlength=size)
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts, group=group)
+    send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
+    recv_ids = ids.new_empty(sum(recv_splits))
+    dist.all_to_all_single(recv_ids, ids, recv_splits, send_splits, group=group)
+    if stats is not None:
+        me = group.rank()
+        stats.count("alltoall_sent", send_counts.element_size() * (size - 1))
+        stats.count("alltoall_sent", _sent_bytes(send_splits, me, ids.element_size()))
+    return recv_ids, send_splits, recv_splits
+
+
+class _ExchangeRows(torch.autograd.Function):
+    """All-to-all of row blocks (uneven splits); backward returns the gradients the same way."""
 
     @staticmethod
-    def forward(ctx, weight, ids, row_start, boundaries, group, stats):
-        size = group.size() if group is not None else 1
-        ctx.weight_shape, ctx.group, ctx.stats = weight.shape, group, stats
-        if size == 1:
-            local = ids - row_start
-            ctx.save_for_backward(local)
-            ctx.routed = False
-            return nn.functional.embedding(local, weight)
-        me = group.rank()
-        owner = torch.searchsorted(boundaries, ids, right=True) - 1
-        order = torch.argsort(owner, stable=True)
-        send_ids = ids[order]
-        send_counts = torch.bincount(owner, minlength=size)
-        recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=group)
-        send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
-        recv_ids = send_ids.new_empty(sum(recv_splits))
-        dist.all_to_all_single(recv_ids, send_ids, recv_splits, send_splits, group=group)
-        local = recv_ids - row_start
-        rows = nn.functional.embedding(local, weight)
-        sorted_out = rows.new_empty((ids.numel(), weight.shape[1]))
-        dist.all_to_all_single(sorted_out, rows, send_splits, recv_splits, group=group)
-        out = torch.empty_like(sorted_out)
-        out[order] = sorted_out
+    def forward(ctx, values, send_splits, recv_splits, group, stats):
+        ctx.splits, ctx.group, ctx.stats = (send_splits, recv_splits), group, stats
+        out = values.new_empty((sum(recv_splits), values.shape[1]))
+        dist.all_to_all_single(out, values.contiguous(), recv_splits, send_splits, group=group)
         if stats is not None:
-            stats.count("alltoall_sent", send_counts.element_size() * (size - 1))
-            stats.count("alltoall_sent", _sent_bytes(send_splits, me, send_ids.element_size()))
-            row_bytes = rows.element_size() * rows.shape[1]
-            stats.count("alltoall_sent", _sent_bytes(recv_splits, me, row_bytes))
-        ctx.save_for_backward(local, order)
-        ctx.splits = (send_splits, recv_splits)
-        ctx.routed = True
+            row_bytes = values.element_size() * values.shape[1]
+            stats.count("alltoall_sent", _sent_bytes(send_splits, group.rank(), row_bytes))
         return out
 
     @staticmethod
-    def backward(ctx, grad_out):
-        if not ctx.routed:
-            (local,) = ctx.saved_tensors
-            grad_weight = grad_out.new_zeros(ctx.weight_shape)
-            grad_weight.index_add_(0, local, grad_out)
-            return grad_weight, None, None, None, None, None
-        local, order = ctx.saved_tensors
+    def backward(ctx, grad):
         send_splits, recv_splits = ctx.splits
-        grad_sorted = grad_out[order].contiguous()
-        recv_grad = grad_sorted.new_empty((local.numel(), grad_sorted.shape[1]))
-        dist.all_to_all_single(recv_grad, grad_sorted, recv_splits, send_splits, group=ctx.group)
+        grad = grad.contiguous()
+        out = grad.new_empty((sum(send_splits), grad.shape[1]))
+        dist.all_to_all_single(out, grad, send_splits, recv_splits, group=ctx.group)
         if ctx.stats is not None:
-            me = ctx.group.rank()
-            row_bytes = grad_sorted.element_size() * grad_sorted.shape[1]
-            ctx.stats.count("alltoall_sent", _sent_bytes(send_splits, me, row_bytes))
-        grad_weight = grad_out.new_zeros(ctx.weight_shape)
-        grad_weight.index_add_(0, local, recv_grad)
-        return grad_weight, None, None, None, None, None
+            row_bytes = grad.element_size() * grad.shape[1]
+            ctx.stats.count("alltoall_sent", _sent_bytes(recv_splits, ctx.group.rank(), row_bytes))
+        return out, None, None, None, None
+
+
+def routed_lookup(weight, ids, row_start, boundaries, group, stats) -> torch.Tensor:
+    """Sorted distinct global rows (any owner) -> their values [n, D], through the owners.
+
+    Forward: ids to owners, owners gather, rows back. Backward: one gradient row per distinct id
+    back to its owner, whose table receives it row-sparse (``engram/row_grad.py``)."""
+    if group is None or group.size() == 1:
+        return gather_rows(weight, ids - row_start)
+    recv_ids, send_splits, recv_splits = route_ids(ids, boundaries, group, stats)
+    served = gather_rows(weight, recv_ids - row_start)
+    return _ExchangeRows.apply(served, recv_splits, send_splits, group, stats)
 
 
 class _ReduceOverGroup(torch.autograd.Function):
@@ -144,24 +145,27 @@ class _ReduceOverGroup(torch.autograd.Function):
 
 
 class _GatherKeepSlice(torch.autograd.Function):
-    """All-gather along dim 0 over ``group``; backward keeps this rank's slice (the consumer
-    runs identically on every rank of the group). As megatron's
-    ``gather_from_sequence_parallel_region(..., tensor_parallel_output_grad=False)``."""
+    """All-gather along dim 0 over ``group`` of blocks of the given ``sizes`` (one per rank);
+    backward keeps this rank's block (the consumer runs identically on every rank of the
+    group). As megatron's ``gather_from_sequence_parallel_region(...,
+    tensor_parallel_output_grad=False)``, with uneven blocks."""
 
     @staticmethod
-    def forward(ctx, values, group, stats):
-        size = group.size()
-        ctx.group, ctx.chunk = group, values.shape[0]
-        out = values.new_empty((size * values.shape[0], *values.shape[1:]))
-        dist.all_gather_into_tensor(out, values.contiguous(), group=group)
+    def forward(ctx, values, group, sizes, stats):
+        width = max(sizes)
+        ctx.start = sum(sizes[: group.rank()])
+        ctx.chunk = values.shape[0]
+        padded = values.new_zeros((width, *values.shape[1:]))
+        padded[: values.shape[0]] = values
+        out = values.new_empty((len(sizes) * width, *values.shape[1:]))
+        dist.all_gather_into_tensor(out, padded, group=group)
         if stats is not None:
-            stats.count("allgather_payload", values.numel() * values.element_size())
-        return out
+            stats.count("allgather_payload", padded.numel() * padded.element_size())
+        return torch.cat([out[r * width : r * width + n] for r, n in enumerate(sizes)])
 
     @staticmethod
     def backward(ctx, grad):
-        start = ctx.group.rank() * ctx.chunk
-        return grad[start : start + ctx.chunk], None, None
+        return grad[ctx.start : ctx.start + ctx.chunk], None, None, None
 
 
 class _ShardedLookup:
@@ -181,6 +185,23 @@ class _ShardedLookup:
         self.grad_sync_group = grad_sync_group
         self.norm_group = norm_group
         self.stats = stats
+        self.ids_requested = 0  # (position, head) ids looked up, before deduplication
+        self.ids_distinct = 0  # distinct rows actually fetched (per micro-batch)
+
+    def _distinct(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sorted distinct rows of a micro-batch and the inverse map back to its positions."""
+        unique, inverse = torch.unique(rows.reshape(-1), sorted=True, return_inverse=True)
+        self.ids_requested += rows.numel()
+        self.ids_distinct += unique.numel()
+        return unique, inverse
+
+    @property
+    def dedup_ratio(self) -> float:
+        """ids requested / distinct rows fetched, since the last ``reset_counts``."""
+        return self.ids_requested / self.ids_distinct if self.ids_distinct else 1.0
+
+    def reset_counts(self) -> None:
+        self.ids_requested = self.ids_distinct = 0
 
     @property
     def num_shards(self) -> int:
@@ -218,26 +239,24 @@ class AllToAllLookup(_ShardedLookup):
         self._boundaries: dict[tuple[int, torch.device], torch.Tensor] = {}
 
     def lookup(self, embedding, rows: torch.Tensor) -> torch.Tensor:
-        """Global rows [...] -> [..., D] through the owners."""
-        flat = rows.reshape(-1)
-        n = flat.numel()
+        """Global rows [...] -> [..., D] through the owners, each distinct row fetched once."""
+        unique, inverse = self._distinct(rows)
         tp = self.tensor_group.size() if self.tensor_group is not None else 1
-        if tp > 1:
-            chunk = -(-n // tp)
-            if chunk * tp != n:  # pad with row 0: its rows are dropped, its grads are zeros
-                flat = nn.functional.pad(flat, (0, chunk * tp - n))
-            start = self.tensor_group.rank() * chunk
-            flat = flat[start : start + chunk]
-        key = (embedding.num_rows, flat.device)
+        if tp > 1:  # TP peers hold the same micro-batch: each fetches a block of its rows
+            sizes = [hi - lo for lo, hi in (row_range(unique.numel(), r, tp) for r in range(tp))]
+            lo, hi = row_range(unique.numel(), self.tensor_group.rank(), tp)
+            unique = unique[lo:hi]
+        key = (embedding.num_rows, unique.device)
         if key not in self._boundaries:
-            self._boundaries[key] = row_boundaries(embedding.num_rows, self.num_shards, flat.device)
-        values = _RoutedLookup.apply(
-            embedding.weight, flat, embedding.row_start, self._boundaries[key],
+            self._boundaries[key] = row_boundaries(embedding.num_rows, self.num_shards,
+                                                   unique.device)
+        values = routed_lookup(
+            embedding.weight, unique, embedding.row_start, self._boundaries[key],
             self.embedding_group, self.stats,
         )
         if tp > 1:
-            values = _GatherKeepSlice.apply(values, self.tensor_group, self.stats)[:n]
-        return values.view(*rows.shape, values.shape[-1])
+            values = _GatherKeepSlice.apply(values, self.tensor_group, sizes, self.stats)
+        return values.index_select(0, inverse).view(*rows.shape, values.shape[-1])
 
 
 class AllReduceLookup(_ShardedLookup):
@@ -256,10 +275,17 @@ class AllReduceLookup(_ShardedLookup):
         self.tensor_group = tensor_group
 
     def lookup(self, embedding, rows: torch.Tensor) -> torch.Tensor:
+        """Masked lookup of each distinct row on every shard, summed over TP ([distinct, D]
+        all-reduced, not [positions, D]), then expanded to the positions."""
+        unique, inverse = self._distinct(rows)
+        local = unique - embedding.row_start
         if self.num_shards == 1:
-            return embedding.lookup_rows(rows)
-        values = embedding.lookup_rows(rows, partial=True)
-        return _ReduceOverGroup.apply(values, self.tensor_group, self.stats)
+            values = gather_rows(embedding.weight, local)
+        else:
+            owned = (local >= 0) & (local < embedding.weight.shape[0])
+            values = gather_rows(embedding.weight, torch.where(owned, local, 0), owned)
+            values = _ReduceOverGroup.apply(values, self.tensor_group, self.stats)
+        return values.index_select(0, inverse).view(*rows.shape, values.shape[-1])
 
 
 def table_gradient_groups(config) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:

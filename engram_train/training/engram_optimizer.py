@@ -4,57 +4,49 @@ Why a separate optimizer. megatron DDP averages every gradient in its buffers ov
 data-parallel group. A table shard's replicas are not megatron's DP peers: with method
 ``alltoall`` the rows are split over the Engram embedding-parallel (EmbP) group, so e.g. under
 TP1 x eps4 the four megatron DP peers own four different row blocks and averaging their
-gradients would mix unrelated rows. The tables (also the parameters whose optimizer states go
-to host memory later) therefore stay out of megatron's DDP and optimizer
-(``models/builder.py``, ``training/optimizer.py``) and are stepped here.
+gradients would mix unrelated rows. The tables therefore stay out of megatron's DDP and
+optimizer (``models/builder.py``, ``training/optimizer.py``) and are stepped here.
+
+Cost model. A step touches the rows its tokens hash to, so nothing here is sized by the table
+when ``engram_optimizer: sparse_adam``: the optimizer *arms* each table for row-sparse
+gradients (``engram/row_grad.py``), lookups deliver (rows, gradient rows) pairs, and the
+step coalesces, reduces, clips and applies them row by row. ``adam`` (dense Adam, the paper's
+recipe) uses the same gradient route and densifies only for its step, which moves every row.
 
 The hook: ``EngramTableOptimizer`` is a megatron ``MegatronOptimizer`` chained after megatron's
 own optimizers in a ``ChainedOptimizer``, so ``train_step``'s ``optimizer.step()``, the LR
 scheduler (``param_groups`` carry ``max_lr``/``min_lr``/``wd_mult`` like megatron's groups) and
 ``checkpointing.py`` drive it unchanged. In ``ChainedOptimizer.step``:
 
-1. ``prepare_grads`` (every chained optimizer) - here the grad sync: each table gradient (autograd's
-   ``param.grad``; with bf16 parameters a float32 ``main_grad`` that a post-accumulate hook
-   fills) is scaled by 1 / megatron's data-parallel(x context) size and summed over the method's
-   ``grad_sync_group`` (EmbDP group for ``alltoall``, megatron's DP group for ``allreduce``). The
-   result equals the single-rank gradient of the global batch, as megatron DDP's average does
-   for every other parameter.
+1. ``prepare_grads`` - each table's row pairs are coalesced (distinct rows, float32 sums),
+   scaled by 1 / megatron's data-parallel(x context) size and summed over the method's
+   ``grad_sync_group`` (EmbDP group for ``alltoall``, megatron's DP group for ``allreduce``)
+   by ``parallel/row_grad_sync.py``: an all-gather of the touched rows, or a dense all-reduce
+   when that moves fewer bytes; replicas end bitwise equal. The result equals the single-rank
+   gradient of the global batch, as megatron DDP's average does for every other parameter.
 2. ``get_grad_norm`` - the table group differs from megatron's grad-stats group, so the chain
-   takes sqrt(sum of squares) of each optimizer's global norm. Ours sums squares of the local
-   shards over the method's ``norm_group`` (EmbP ranks x pipeline stages with one EmbDP rank;
-   TP x PP with one DP rank for ``allreduce``): each row once, never a TP duplicate or a DP
-   replica.
+   takes sqrt(sum of squares) of each optimizer's global norm. Ours sums squares of the synced
+   gradient rows over the method's ``norm_group`` (EmbP ranks x pipeline stages with one EmbDP
+   rank; TP x PP with one DP rank for ``allreduce``): each touched row once, never a TP
+   duplicate or a DP replica; untouched rows contribute zero, so this is the dense norm.
 3. the chain clips every optimizer's ``get_parameters()`` grads with the combined norm: ours
-   returns the parameters our Adam steps (float32 main copies under bf16), so tables share
-   the clip factor.
-4. ``step_with_ready_grads`` - torch Adam (AdamW when ``decoupled_weight_decay``, as megatron
-   picks), then main -> model copy under bf16.
+   returns one *grad carrier* per table, a zero-stride float32 view shaped like the synced
+   gradient rows (no memory) whose ``.grad`` is those rows, so the clip scales them in place.
+4. ``step_with_ready_grads`` - ``sparse_adam``: ``RowSparseAdam`` (``training/sparse_adam.py``)
+   on the touched rows of the float32 masters, then those rows are copied to the table.
+   ``adam``: the rows are scattered into a dense float32 gradient and torch Adam (AdamW when
+   ``decoupled_weight_decay``, as megatron picks) steps the whole shard.
 
-Optimizer-state offload (``engram_offload_embedding_optimizer_states``). The float32 master copy
-of each table shard and its Adam moments live in host memory and Adam steps on the CPU; the
-tables, their gradients, the grad sync, the grad norm and clipping stay on the device:
+Masters: a float32 table is its own master (no copy); a bf16 table gets a float32 master.
+Optimizer-state offload (``engram_offload_embedding_optimizer_states``): masters and Adam
+moments live in host memory (masters pinned when the table is on a CUDA device) and the update
+runs on the CPU. With ``sparse_adam`` only the touched rows cross: gradient rows down, updated
+rows up; with ``adam`` the dense gradient is built on the host and the whole shard goes up.
+On a host without CUDA, offload keeps separate masters and runs the same copies.
 
-- masters: one host float32 tensor per shard (pinned when the table is on a CUDA device), a
-  separate object from the table also for float32 tables; with bf16 tables a pinned host
-  staging buffer in the table's dtype takes the cast master for the upload. Moments
-  (``exp_avg``/``exp_avg_sq``) are ordinary host tensors: they never cross the bus.
-- clipping: megatron's ``clip_grad_by_total_norm_fp32`` wants device float32 ``.grad``s, so
-  ``get_parameters()`` returns device-side *grad carriers* instead of the host masters: the
-  table itself for float32 tables (its ``.grad`` is the synced gradient), and under bf16 a
-  zero-stride float32 view of a single device element shaped like the table (no memory),
-  whose ``.grad`` is set to the synced float32 ``main_grad``. Carriers are only ever read for
-  their ``.grad``; their data must not be used. With a zero-stride carrier the clip writes
-  into ``main_grad``; with the table it writes into ``.grad``, exactly as without offload.
-- step: clipped device grads -> pinned host buffers (async, then one wait), torch Adam/AdamW
-  with the ``foreach`` implementation on the host masters (on CPU it gives the same bits as the
-  default single-tensor loop), then master -> table (cast to the table's dtype; async from
-  pinned memory, awaited before the host buffers are written again).
-- checkpoints: the same keys as without offload (moments, float32 masters under bf16 only; a
-  float32 table's master equals the table and is rebuilt from it on load), so a checkpoint
-  saved with offload loads without it and vice versa.
-
-On a host without CUDA every tensor is already a host tensor; offload still keeps separate
-masters and copies grads and weights as above, so the CPU tests run the same code path.
+Checkpoints: the same keys for both optimizers and with or without offload (dense moments per
+table, float32 masters under bf16 only), so a run may switch ``engram_optimizer`` or offload
+on resume.
 """
 
 from __future__ import annotations
@@ -74,7 +66,11 @@ from megatron.core.optimizer import OptimizerConfig
 from megatron.core.optimizer.clip_grads import get_grad_norm_fp32
 from megatron.core.optimizer.optimizer import MegatronOptimizer
 
+from engram_train.config import TABLE_OPTIMIZERS
+from engram_train.engram.row_grad import arm_row_sparse_grad
+from engram_train.parallel.row_grad_sync import RowGradSyncStats, sync_row_grads
 from engram_train.runtime.distributed import device as runtime_device
+from engram_train.training.sparse_adam import RowSparseAdam
 
 
 def engram_table_params(modules: Iterable[torch.nn.Module]) -> list[torch.nn.Parameter]:
@@ -127,7 +123,8 @@ def engram_table_param_group(opt_config: OptimizerConfig, model_config: Any) -> 
 
 
 class EngramTableOptimizer(MegatronOptimizer):
-    """Adam over this rank's Engram table shards; see the module docstring.
+    """Adam (dense) or lazy row-wise Adam over this rank's Engram table shards; see the module
+    docstring.
 
     ``table_params`` may be empty (a pipeline stage without Engram layers): the optimizer still
     joins the collectives of the grad norm so every rank makes the same calls.
@@ -142,6 +139,7 @@ class EngramTableOptimizer(MegatronOptimizer):
         norm_group: dist.ProcessGroup,
         calculate_per_token_loss: bool = False,
         offload_states: bool = False,
+        table_optimizer: str = "sparse_adam",
     ) -> None:
         if config.fp16:
             raise NotImplementedError(
@@ -152,6 +150,10 @@ class EngramTableOptimizer(MegatronOptimizer):
                 "Engram tables are trained with Adam (paper recipe); "
                 f"optimizer={config.optimizer!r} is not supported with use_engram."
             )
+        if table_optimizer not in TABLE_OPTIMIZERS:
+            raise ValueError(
+                f"engram_optimizer={table_optimizer!r} is unknown: use one of {TABLE_OPTIMIZERS}."
+            )
         if calculate_per_token_loss:
             raise NotImplementedError(
                 "calculate_per_token_loss with Engram tables: table gradients would miss "
@@ -160,151 +162,102 @@ class EngramTableOptimizer(MegatronOptimizer):
         self.model_params = list(table_params)
         self.grad_sync_group = grad_sync_group
         self.grad_stats_parallel_group = norm_group
+        self.table_optimizer = table_optimizer
+        self.sparse = table_optimizer == "sparse_adam"
         self.num_steps = 0
         self.mixed_precision = any(p.dtype != torch.float32 for p in self.model_params)
         self.offload = bool(offload_states)
-        if self.mixed_precision:
-            self._hooks = [
-                p.register_post_accumulate_grad_hook(self._accumulate_main_grad)
-                for p in self.model_params
-            ]
-        else:
-            self._hooks = []
-        if self.offload:
-            self._init_offload()
-        elif self.mixed_precision:
-            self.main_params = [
-                torch.nn.Parameter(p.detach().float().clone()) for p in self.model_params
-            ]
+        self.accumulators = [arm_row_sparse_grad(p) for p in self.model_params]
+        self._row_grads: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._carriers: list[torch.Tensor] = []
+        self.last_sync: RowGradSyncStats | None = None
+        self.force_sync_route: str | None = None  # 'sparse' | 'dense' (tests), None = by bytes
+        if self.offload or self.mixed_precision:
+            self.main_params = [self._new_master(p, self.offload) for p in self.model_params]
         else:
             self.main_params = self.model_params
-        adam_cls = torch.optim.AdamW if config.decoupled_weight_decay else torch.optim.Adam
         group = dict(param_group, params=self.main_params)
-        optimizer = adam_cls(
-            [group],
-            lr=param_group["lr"],
-            weight_decay=param_group["weight_decay"],
-            betas=(config.adam_beta1, config.adam_beta2),
-            eps=config.adam_eps,
-            # Host tensors: torch would pick its single-tensor loop; foreach is the same
-            # algorithm as its CUDA default (and bitwise equal to the loop on CPU).
-            **({"foreach": True} if self.offload else {}),
-        )
+        betas = (config.adam_beta1, config.adam_beta2)
+        if self.sparse:
+            optimizer = RowSparseAdam([group], lr=param_group["lr"], betas=betas,
+                                      eps=config.adam_eps,
+                                      weight_decay=param_group["weight_decay"])
+        else:
+            adam_cls = torch.optim.AdamW if config.decoupled_weight_decay else torch.optim.Adam
+            optimizer = adam_cls(
+                [group], lr=param_group["lr"], weight_decay=param_group["weight_decay"],
+                betas=betas, eps=config.adam_eps,
+                # Host tensors: torch would pick its single-tensor loop; foreach is the same
+                # algorithm as its CUDA default (and bitwise equal to the loop on CPU).
+                **({"foreach": True} if self.offload else {}),
+            )
         super().__init__(optimizer, config, init_state_fn=self._init_state)
         self.is_stub_optimizer = False
         device = self.model_params[0].device if self.model_params else runtime_device()
         self._scale = torch.ones(1, dtype=torch.float32, device=device)
 
-    # -- offload -------------------------------------------------------------------------
-
+    @staticmethod
     @torch.no_grad()
-    def _init_offload(self) -> None:
-        """Host masters, pinned host grad buffers, upload staging and device grad carriers."""
-        # Async copies need pinned host memory and a CUDA device on the other side.
-        self._async_copies = torch.cuda.is_available() and any(
-            p.device.type == "cuda" for p in self.model_params
-        )
-        pin = self._async_copies
-
-        def host(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-            return torch.empty(p.shape, dtype=dtype, device="cpu", pin_memory=pin)
-
-        self.main_params = []
-        self._host_grads = []
-        self._upload_buffers = []
-        self._grad_carriers = []
-        for p in self.model_params:
-            main = torch.nn.Parameter(host(p, torch.float32))
-            main.data.copy_(p.detach())
-            self.main_params.append(main)
-            self._host_grads.append(host(p, torch.float32))
-            self._upload_buffers.append(main.data if p.dtype == torch.float32
-                                        else host(p, p.dtype))
-            if not self.mixed_precision:
-                carrier = p  # its .grad is the synced float32 gradient
-            else:  # grads are in main_grad (the hook clears .grad, also of a float32 table):
-                # a zero-stride float32 view of one device element holds it, no memory
-                carrier = torch.zeros((), dtype=torch.float32, device=p.device).expand(p.shape)
-            self._grad_carriers.append(carrier)
-        self._copies_done: Any = None  # CUDA event after the last async copy
-
-    def _wait_for_copies(self) -> None:
-        """Host buffers may be read (after D2H) or written (after H2D) only once this returns."""
-        if self._copies_done is not None:
-            self._copies_done.synchronize()
-            self._copies_done = None
-
-    def _record_copies(self) -> None:
-        if self._async_copies:
-            self._copies_done = torch.cuda.Event()
-            self._copies_done.record()
-
-    @torch.no_grad()
-    def _upload_masters(self) -> None:
-        """Host masters -> device tables, cast to the table's dtype on the host."""
-        self._wait_for_copies()
-        for param, main, staged in zip(self.model_params, self.main_params,
-                                       self._upload_buffers):
-            if staged is not main.data:
-                staged.copy_(main.data)
-            param.data.copy_(staged, non_blocking=self._async_copies)
-        self._record_copies()
-
-    @torch.no_grad()
-    def _refresh_masters_from_model(self) -> None:
-        self._wait_for_copies()
-        for param, main in zip(self.model_params, self.main_params):
-            main.data.copy_(param.data)
-
-    def get_parameters(self) -> list[torch.Tensor]:
-        """Offload: device-side grad carriers (module docstring), which megatron's clipping
-        scales in place; otherwise the tensors Adam steps."""
-        if self.offload:
-            return list(self._grad_carriers)
-        return super().get_parameters()
+    def _new_master(param: torch.nn.Parameter, offload: bool) -> torch.nn.Parameter:
+        """float32 master of a table: in host memory with offload (pinned for a CUDA table, so
+        row copies can be asynchronous), next to the table otherwise."""
+        pin = offload and param.device.type == "cuda"
+        device = "cpu" if offload else param.device
+        master = torch.empty(param.shape, dtype=torch.float32, device=device, pin_memory=pin)
+        master.copy_(param.detach())
+        return torch.nn.Parameter(master)
 
     # -- gradients -----------------------------------------------------------------------
 
-    @staticmethod
-    @torch.no_grad()
-    def _accumulate_main_grad(param: torch.nn.Parameter) -> None:
-        """bf16 tables: accumulate micro-batch grads in float32, as megatron DDP's main_grad."""
-        if getattr(param, "main_grad", None) is None:
-            param.main_grad = torch.zeros_like(param, dtype=torch.float32)
-        param.main_grad.add_(param.grad)
-        param.grad = None
-
-    def _local_grad(self, index: int) -> torch.Tensor:
-        param = self.model_params[index]
-        if self.mixed_precision:
-            if getattr(param, "main_grad", None) is None:
-                param.main_grad = torch.zeros_like(param, dtype=torch.float32)
-            return param.main_grad
-        if param.grad is None:  # unused this step: still join the collective
-            param.grad = torch.zeros_like(param)
-        return param.grad
-
     @torch.no_grad()
     def prepare_grads(self) -> bool:
-        """Sum table grads over the grad-sync group with megatron DDP's 1 / DP scaling."""
+        """Coalesce each table's row pairs, scale by 1 / DP and sum over the grad-sync group."""
         scale = 1.0 / parallel_state.get_data_parallel_world_size(with_context_parallel=True)
-        for index, main in enumerate(self.main_params):
-            grad = self._local_grad(index)
-            grad.mul_(scale)
-            if self.grad_sync_group is not None and self.grad_sync_group.size() > 1:
-                dist.all_reduce(grad, group=self.grad_sync_group)
-            if self.offload:
-                if self._grad_carriers[index] is not self.model_params[index]:
-                    self._grad_carriers[index].grad = grad
-            elif self.mixed_precision:
-                main.grad = grad
+        local = []
+        for param, accumulator in zip(self.model_params, self.accumulators):
+            if param.grad is not None:  # a lookup outside the armed path: never silently drop
+                raise RuntimeError(
+                    f"Engram table of layer {getattr(param, 'engram_layer_id', '?')} got a dense "
+                    ".grad: table lookups must go through MultiHeadEmbedding (row-sparse)."
+                )
+            rows, values = accumulator.coalesce(param.device)
+            local.append((rows, values.mul_(scale)))
+        self._row_grads, self.last_sync = sync_row_grads(
+            local, [p.shape[0] for p in self.model_params], self.grad_sync_group,
+            force=self.force_sync_route,
+        )
+        self._carriers = []
+        for _, values in self._row_grads:
+            carrier = torch.zeros((), dtype=torch.float32, device=values.device)
+            carrier = carrier.expand(values.shape)
+            carrier.grad = values
+            self._carriers.append(carrier)
         return False
+
+    def row_grads(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The synced (rows, float32 gradient rows) of each table this step (after
+        ``prepare_grads``; clipped in place by the chain's clip)."""
+        if self._row_grads is None:
+            raise RuntimeError("row_grads() before prepare_grads()")
+        return self._row_grads
+
+    def dense_grad(self, index: int) -> torch.Tensor:
+        """Table ``index``'s synced gradient as a dense [rows, D] float32 tensor (inspection)."""
+        rows, values = self.row_grads()[index]
+        dense = values.new_zeros((self.model_params[index].shape[0], values.shape[1]))
+        return dense.index_copy_(0, rows, values)
+
+    def get_parameters(self) -> list[torch.Tensor]:
+        """The grad carriers of this step (module docstring) once grads are prepared; the
+        tensors Adam steps otherwise (without a ``.grad``: nothing to clip)."""
+        return list(self._carriers) if self._row_grads is not None else list(self.main_params)
 
     def get_main_grads_for_grad_norm(self) -> list[torch.Tensor]:
         # Shards are disjoint within the norm group: no TP-duplicate filtering (megatron's
         # default would drop every TP rank but the first).
-        holders = self._grad_carriers if self.offload else self.main_params
-        return [p.grad for p in holders if p.grad is not None]
+        if self._row_grads is None:
+            return []
+        return [values for _, values in self._row_grads]
 
     def get_grad_stats_parallel_group(self) -> dist.ProcessGroup:
         return self.grad_stats_parallel_group
@@ -318,23 +271,21 @@ class EngramTableOptimizer(MegatronOptimizer):
 
     @torch.no_grad()
     def count_zeros(self) -> float:
+        """Zero gradient entries of the shards, untouched rows included (as a dense count)."""
         zeros = torch.zeros(1, dtype=torch.float32, device=self._scale.device)
-        for grad in self.get_main_grads_for_grad_norm():
-            zeros += (grad == 0).sum()
+        for param, (rows, values) in zip(self.model_params, self._row_grads or []):
+            zeros += (values == 0).sum() + (param.shape[0] - rows.numel()) * param.shape[1]
         dist.all_reduce(zeros, group=self.grad_stats_parallel_group)
         return zeros.item()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for param in self.model_params:
+        for param, accumulator in zip(self.model_params, self.accumulators):
             param.grad = None
-            if getattr(param, "main_grad", None) is not None:
-                param.main_grad.zero_()
-        if self.offload:
-            for carrier in self._grad_carriers:
-                carrier.grad = None
-        elif self.mixed_precision:
-            for main in self.main_params:
-                main.grad = None
+            accumulator.clear()
+        for main in self.main_params:
+            main.grad = None
+        self._row_grads = None
+        self._carriers = []
 
     def get_loss_scale(self) -> torch.Tensor:
         return self._scale
@@ -343,31 +294,40 @@ class EngramTableOptimizer(MegatronOptimizer):
 
     @torch.no_grad()
     def step_with_ready_grads(self) -> bool:
-        if self.offload:
-            return self._offloaded_step()
-        self.optimizer.step()
-        if self.mixed_precision:
-            for param, main in zip(self.model_params, self.main_params):
-                param.data.copy_(main.data)
+        grads = self._row_grads
+        if grads is None:  # no prepare_grads this step: nothing was looked up
+            grads = [(torch.empty(0, dtype=torch.int64, device=p.device),
+                      torch.empty((0, p.shape[1]), device=p.device)) for p in self.model_params]
+        if self.sparse:
+            self._sparse_step(grads)
+        else:
+            self._dense_step(grads)
         self.num_steps += 1
         return True
 
-    @torch.no_grad()
-    def _offloaded_step(self) -> bool:
-        """Device grads -> host, Adam on the host masters, masters -> device tables."""
-        self._wait_for_copies()
-        for index, (main, host_grad) in enumerate(zip(self.main_params, self._host_grads)):
-            grad = self._grad_carriers[index].grad
-            if grad is None:  # not prepared (no prepare_grads this step): a zero gradient
-                grad = self._local_grad(index)
-            host_grad.copy_(grad, non_blocking=self._async_copies)
-            main.grad = host_grad
-        self._record_copies()
-        self._wait_for_copies()
+    def _sparse_step(self, grads) -> None:
+        """Lazy Adam on the touched rows of the masters; those rows are copied to the table."""
+        master_grads = [(rows.to(main.device), values.to(main.device))
+                        for (rows, values), main in zip(grads, self.main_params)]
+        self.optimizer.step_rows(master_grads)
+        for param, main, (rows, _), (master_rows, _) in zip(
+            self.model_params, self.main_params, grads, master_grads
+        ):
+            if main is not param and rows.numel():
+                updated = main.data.index_select(0, master_rows).to(param.dtype)
+                param.data.index_copy_(0, rows, updated.to(param.device))
+
+    def _dense_step(self, grads) -> None:
+        """Dense Adam: every row of every shard moves (momentum keeps untouched rows going)."""
+        for main, (rows, values) in zip(self.main_params, grads):
+            dense = torch.zeros(main.shape, dtype=torch.float32, device=main.device)
+            dense.index_copy_(0, rows.to(main.device), values.to(main.device))
+            main.grad = dense
         self.optimizer.step()
-        self._upload_masters()
-        self.num_steps += 1
-        return True
+        for param, main in zip(self.model_params, self.main_params):
+            main.grad = None
+            if main is not param:
+                param.data.copy_(main.data)
 
     @torch.no_grad()
     def step(self):
@@ -381,11 +341,13 @@ class EngramTableOptimizer(MegatronOptimizer):
 
     @torch.no_grad()
     def reload_model_params(self, state_dict=None) -> None:
-        if self.offload:
-            self._refresh_masters_from_model()
-        elif self.mixed_precision:
-            for param, main in zip(self.model_params, self.main_params):
-                main.data.copy_(param.data.float())
+        self._refresh_masters_from_model()
+
+    @torch.no_grad()
+    def _refresh_masters_from_model(self) -> None:
+        for param, main in zip(self.model_params, self.main_params):
+            if main is not param:
+                main.data.copy_(param.data)
 
     # -- state ---------------------------------------------------------------------------
 
@@ -448,15 +410,12 @@ class EngramTableOptimizer(MegatronOptimizer):
         optimizer_state["param_groups"] = self._filter_and_reorder_param_groups(
             self.optimizer.param_groups, optimizer_state["param_groups"]
         )
-        if self.offload:
-            self._wait_for_copies()
         self.optimizer.load_state_dict(optimizer_state)
         saved_mains = state_dict.get("fp32_main_params") if self.mixed_precision else None
         if saved_mains is not None:
             with torch.no_grad():
                 for main, saved in zip(self.main_params, saved_mains):
                     main.data.copy_(saved)
-        elif self.offload:
-            # float32 tables (or a checkpoint without masters): the model was loaded first.
+        else:  # float32 tables (or a checkpoint without masters): the model was loaded first
             self._refresh_masters_from_model()
         self.num_steps = num_steps

@@ -48,6 +48,7 @@ def build_optimizer(opt_config: OptimizerConfig, model_chunks: list, model_confi
         norm_group,
         calculate_per_token_loss=getattr(model_config, "calculate_per_token_loss", False),
         offload_states=getattr(model_config, "engram_offload_embedding_optimizer_states", False),
+        table_optimizer=getattr(model_config, "engram_optimizer", "sparse_adam"),
     )
     parts = (
         megatron_optimizer.chained_optimizers

@@ -57,12 +57,18 @@ LAYOUTS = [  # name, method, ParallelSizes, sequence parallel, config overrides
      False, FULL_RECOMPUTE),
     ("allreduce_tp1", "allreduce", ParallelSizes(), False),
     ("allreduce_tp2", "allreduce", ParallelSizes(tensor=2), True),
+    # Dense Adam through the same row-sparse gradient route (sync, norm, clip).
+    ("alltoall_eps2_tp2_adam", "alltoall", ParallelSizes(tensor=2, engram_embedding=2), True,
+     dict(engram_optimizer="adam")),
+    ("allreduce_tp1_adam", "allreduce", ParallelSizes(), False, dict(engram_optimizer="adam")),
 ]
 SAVE_LAYOUT = "alltoall_eps2"
-RESUME_LAYOUTS = [
-    ("resume_eps4", ParallelSizes(engram_embedding=4)),
-    ("resume_eps1", ParallelSizes()),
+RESUME_LAYOUTS = [  # the checkpoint was written with sparse_adam
+    ("resume_eps4", ParallelSizes(engram_embedding=4), {}),
+    ("resume_eps1", ParallelSizes(), {}),
+    ("resume_eps2_adam", ParallelSizes(engram_embedding=2), dict(engram_optimizer="adam")),
 ]
+VARYING_STEPS = 12
 
 
 def setup(layout: ParallelSizes, method="alltoall", sp=False, seed=1, **overrides):
@@ -132,8 +138,10 @@ def first_batch_table_grads(model, optimizer):
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     run_forward_backward(model, my_batches(), SEQ, 1)
-    table_optimizer(optimizer).prepare_grads()
-    grads = reassemble(model, lambda p: p.grad)
+    opt = table_optimizer(optimizer)
+    opt.prepare_grads()
+    index = {id(p): i for i, p in enumerate(opt.model_params)}
+    grads = reassemble(model, lambda p: opt.dense_grad(index[id(p)]))
     optimizer.zero_grad()
     return grads
 
@@ -141,6 +149,53 @@ def first_batch_table_grads(model, optimizer):
 def train(model, optimizer, steps):
     results = [train_step(model, optimizer, my_batches(), SEQ, 1) for _ in range(steps)]
     return [r.lm_loss for r in results], [r.grad_norm for r in results]
+
+
+def varying_batches(step: int):
+    """This rank's share of a global batch that changes every step (new rows get touched)."""
+    batches = repeated_batches(GLOBAL_BATCH, 1, seed=100 + step)
+    dp = parallel_state.get_data_parallel_world_size()
+    share = GLOBAL_BATCH // dp
+    rank = parallel_state.get_data_parallel_rank()
+    return batches[rank * share : (rank + 1) * share]
+
+
+def replica_max_diff(model, optimizer) -> float:
+    """Largest difference between replicas of a table shard (tables and moments) over the
+    Engram data-parallel group: 0.0 when every replica applied the same update."""
+    opt = table_optimizer(optimizer)
+    worst = torch.zeros(())
+    group = groups.get_engram_data_parallel_group()
+    for param, main in zip(opt.model_params, opt.main_params):
+        state = opt.optimizer.state[main]
+        for tensor in (param.data, state["exp_avg"], state["exp_avg_sq"]):
+            gathered = [torch.empty_like(tensor) for _ in range(group.size())]
+            dist.all_gather(gathered, tensor.contiguous(), group=group)
+            for other in gathered:
+                worst = torch.maximum(worst, (other - tensor).abs().max())
+    return worst.item()
+
+
+def dense_vs_sparse(root, result):
+    """eps 2 (two replicas per shard), a different global batch every step: dense adam,
+    sparse_adam with the automatic and with the dense gradient-sync route."""
+    runs = [("adam", None), ("sparse_adam", None), ("sparse_adam", "dense"),
+            ("sparse_adam", "sparse")]
+    for table_opt, route in runs:
+        layout = ParallelSizes(engram_embedding=2)
+        _, model, optimizer = setup(layout, engram_optimizer=table_opt)
+        load_checkpoint(root / "base", model)
+        opt = table_optimizer(optimizer)
+        opt.force_sync_route = route
+        losses, routes = [], set()
+        for step in range(VARYING_STEPS):
+            losses.append(train_step(model, optimizer, varying_batches(step), SEQ, 1).lm_loss)
+            routes.update(opt.last_sync.routes)
+        result[f"varying_{table_opt}_{route or 'auto'}"] = dict(
+            losses=losses, routes=sorted(routes),
+            replica_max_diff=replica_max_diff(model, optimizer),
+            replicas=groups.get_engram_data_parallel_world_size(),
+        )
 
 
 def moments(model, optimizer):
@@ -190,8 +245,8 @@ def main():
             entry["next_loss"] = train(model, optimizer, 1)[0][0]
         result[name] = entry
 
-    for name, layout in RESUME_LAYOUTS:
-        _, model, optimizer = setup(layout, seed=77)
+    for name, layout, overrides in RESUME_LAYOUTS:
+        _, model, optimizer = setup(layout, seed=77, **overrides)
         iteration, _ = load_checkpoint(root / "trained", model, optimizer)
         now = moments(model, optimizer)
         result[name] = dict(
@@ -202,6 +257,7 @@ def main():
             num_steps=table_optimizer(optimizer).num_steps,
             next_loss=train(model, optimizer, 1)[0][0],
         )
+    dense_vs_sparse(root, result)
     write_result(args.out, result)
 
 

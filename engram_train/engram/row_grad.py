@@ -1,0 +1,132 @@
+"""Row-sparse gradients of Engram tables: what a step's tokens touched, never the table size.
+
+A lookup reads a few rows of a huge table, so its gradient is a few rows too. Autograd would
+hand a table parameter a dense ``[rows, D]`` gradient (one shard-sized tensor per micro-batch
+and its accumulation); instead, a table *armed* with a ``RowGradAccumulator`` receives from the
+lookups' backward the (local row ids, gradient rows) pairs they produced, and the table
+optimizer coalesces them once per step (``coalesce``): distinct sorted rows, one summed
+float32 gradient row each. Unarmed tables (a plain ``torch.optim`` user of the Engram module)
+keep autograd's dense ``.grad``: arming is what ``EngramTableOptimizer`` does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+ROW_GRAD_ATTR = "engram_row_grad"
+
+
+def coalesce_rows(rows: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows [n], values [n, D]) with repeats -> (sorted distinct rows [u], summed values [u, D]).
+
+    Deterministic for a given input order (the sums run in input order per row), which is what
+    keeps replicas that coalesce the same gathered input bitwise equal.
+    """
+    unique, inverse = torch.unique(rows, sorted=True, return_inverse=True)
+    if unique.numel() == rows.numel():  # already distinct: only reorder
+        order = torch.empty_like(inverse)
+        order[inverse] = torch.arange(rows.numel(), device=rows.device)
+        return unique, values.index_select(0, order)
+    if values.is_cuda:  # index_add_ uses atomics on CUDA: sum in a fixed order instead
+        order = torch.argsort(inverse, stable=True)
+        counts = torch.bincount(inverse, minlength=unique.numel())
+        return unique, torch.segment_reduce(values.index_select(0, order), "sum", lengths=counts)
+    summed = values.new_zeros((unique.numel(), values.shape[1]))
+    summed.index_add_(0, inverse, values)
+    return unique, summed
+
+
+class RowGradAccumulator:
+    """Gradient of one table shard as row pairs, appended by lookups and coalesced per step.
+
+    ``rows`` are shard-local (0-based within this rank's rows); values are kept in float32
+    whatever the table's dtype (the float32 main-gradient rule of megatron's mixed precision).
+    """
+
+    def __init__(self, num_rows: int, dim: int) -> None:
+        self.num_rows, self.dim = int(num_rows), int(dim)
+        self._rows: list[torch.Tensor] = []
+        self._values: list[torch.Tensor] = []
+
+    def add(self, rows: torch.Tensor, values: torch.Tensor) -> None:
+        if rows.numel():
+            self._rows.append(rows.reshape(-1))
+            self._values.append(values.reshape(-1, self.dim).float())
+
+    @property
+    def pending(self) -> int:
+        """Row pairs received since the last ``coalesce``/``clear`` (before deduplication)."""
+        return sum(r.numel() for r in self._rows)
+
+    def coalesce(self, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Distinct rows and their summed float32 gradients; clears the accumulator."""
+        if not self._rows:
+            rows = torch.empty(0, dtype=torch.int64, device=device)
+            return rows, torch.empty((0, self.dim), dtype=torch.float32, device=device)
+        rows = torch.cat(self._rows) if len(self._rows) > 1 else self._rows[0]
+        values = torch.cat(self._values) if len(self._values) > 1 else self._values[0]
+        self.clear()
+        return coalesce_rows(rows, values)
+
+    def clear(self) -> None:
+        self._rows.clear()
+        self._values.clear()
+
+
+def arm_row_sparse_grad(param: torch.nn.Parameter) -> RowGradAccumulator:
+    """Route ``param``'s lookup gradients to a ``RowGradAccumulator`` (idempotent)."""
+    accumulator = getattr(param, ROW_GRAD_ATTR, None)
+    if accumulator is None:
+        accumulator = RowGradAccumulator(param.shape[0], param.shape[1])
+        setattr(param, ROW_GRAD_ATTR, accumulator)
+    return accumulator
+
+
+def deliver_row_grad(
+    weight: torch.nn.Parameter, rows: torch.Tensor, grad_rows: torch.Tensor
+) -> torch.Tensor | None:
+    """Backward of a table gather: row pairs to the accumulator of an armed table (returns
+    None: no dense gradient), else autograd's dense gradient of the shard."""
+    accumulator = getattr(weight, ROW_GRAD_ATTR, None)
+    if accumulator is not None:
+        accumulator.add(rows, grad_rows)
+        return None
+    dense = grad_rows.new_zeros(weight.shape)
+    dense.index_add_(0, rows, grad_rows.to(dense.dtype))
+    return dense
+
+
+class _GatherTableRows(torch.autograd.Function):
+    """``weight[rows]`` (shard-local rows; with ``owned``, zeros where False); its backward hands
+    row gradients to ``deliver_row_grad`` instead of building a dense table gradient."""
+
+    @staticmethod
+    def forward(ctx, weight, rows, owned):
+        ctx.weight = weight  # the accumulator hangs on the parameter itself
+        if owned is None:
+            ctx.save_for_backward(rows)
+            return torch.nn.functional.embedding(rows, weight)
+        kept = rows[owned]
+        ctx.save_for_backward(kept, owned)
+        values = torch.nn.functional.embedding(torch.where(owned, rows, 0), weight)
+        return values * owned.unsqueeze(-1).to(values.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if len(ctx.saved_tensors) == 1:
+            (rows,) = ctx.saved_tensors
+            grad_rows = grad
+        else:
+            rows, owned = ctx.saved_tensors
+            grad_rows = grad[owned]
+        return deliver_row_grad(ctx.weight, rows, grad_rows.contiguous()), None, None
+
+
+def gather_rows(
+    weight: torch.nn.Parameter, rows: torch.Tensor, owned: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Rows [n] of a table shard -> [n, D], row-sparse in backward (see module docstring).
+
+    ``owned`` (bool [n]) masks rows held elsewhere: they read as zeros and get no gradient
+    (the vocab-parallel partial lookup)."""
+    return _GatherTableRows.apply(weight, rows, owned)
