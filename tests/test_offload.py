@@ -27,17 +27,26 @@ def test_offload_trains_exactly_like_no_offload(results):
         assert on["next_loss"] == off["next_loss"]
 
 
+def test_offload_with_dense_adam_trains_exactly_like_no_offload(results):
+    for r in results:
+        off, on = r["off_adam"], r["on_adam"]
+        assert on["losses"] == off["losses"] and on["grad_norms"] == off["grad_norms"]
+        assert r["adam_table_max_diff"] <= 1e-7
+
+
 def test_bf16_tables_offload_equals_no_offload(results):
     for r in results:
         carrier = r["bf16_carrier"]
+        # clipping sees a zero-stride float32 view shaped like the touched rows (no memory)
         assert carrier["stride"] == [0, 0] and carrier["dtype"] == "torch.float32"
-        assert carrier["shape"] == [24, 8]
+        assert 0 < carrier["shape"][0] <= 24 and carrier["shape"][1] == 8
         assert carrier["main_device"] == "cpu" and not carrier["main_is_table"]
         assert carrier["table_equals_main"]
-        b = r["bf16"]
-        assert b["norms_on"] == b["norms_off"] and min(b["norms_on"]) > 0.05
-        assert b["table_bitwise"] and b["main_bitwise"] and b["exp_avg_bitwise"]
-        assert b["moved"] > 0
+        for table_optimizer in ("sparse_adam", "adam"):
+            b = r["bf16"][table_optimizer]
+            assert b["norms_on"] == b["norms_off"] and min(b["norms_on"]) > 0.05
+            assert b["table_bitwise"] and b["main_bitwise"] and b["exp_avg_bitwise"]
+            assert b["moved"] > 0
 
 
 def test_offloaded_states_live_in_host_memory_apart_from_the_tables(results):
@@ -51,8 +60,10 @@ def test_offloaded_states_live_in_host_memory_apart_from_the_tables(results):
             assert not e["main_is_table"] and not e["main_shares_storage"]
             assert e["main_pinned"] == p["cuda"]
             assert e["state_devices"] == ["cpu", "cpu"] and not e["state_shares_storage"]
-            # clipping sees the device-side float32 table (its .grad), not the host master
-            assert e["carrier_on_table_device"] and e["carrier_is_table"]
+            # clipping sees the synced gradient rows on the table's device, not the host
+            # master: a zero-stride carrier shaped like the touched rows, far fewer than the table
+            assert e["carrier_on_table_device"] and e["carrier_stride"] == [0, 0]
+            assert 0 < e["carrier_grad_rows"] < e["table_rows"]
         assert r["on"]["master_max_diff"] == 0.0
 
 
