@@ -86,7 +86,7 @@ def run(cfg: DictConfig) -> dict:
     if model_config.use_engram:
         from engram_train.engram.hashing import NgramHashMapping
 
-        hash_fn = NgramHashMapping(model_config).hash
+        hash_fn = NgramHashMapping(model_config).hash_stacked  # one [L, B, S, K] block
 
     # Model, optimizer, schedule: megatron's DDP, optimizer and param scheduler.
     vocab_size = padded_vocab_size(tokenizer.vocab_size, model_config.tensor_model_parallel_size)
@@ -136,7 +136,10 @@ def run(cfg: DictConfig) -> dict:
             dataset, global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size,
             dp_rank=dp_rank, dp_size=dp_size, consumed_samples=consumed_samples,
         )
-        return HashPrefetchIterator(it, hash_fn, prefetch=bool(cfg.data.hash_prefetch)) if hash_fn else it
+        if not hash_fn:
+            return it
+        # hash a whole step ahead: the next step's micro-batches are hashed while this one runs
+        return HashPrefetchIterator(it, hash_fn, prefetch=bool(cfg.data.hash_prefetch), depth=num_micro)
 
     def validation_loss():
         if valid_ds is None or not t.eval_iters:

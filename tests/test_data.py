@@ -297,15 +297,17 @@ def ngram_hash(tokens: torch.Tensor) -> dict[int, np.ndarray]:
     return out
 
 
-def test_prefetch_equals_inline(demo_splits):
+@pytest.mark.parametrize("depth", [1, 4])
+def test_prefetch_equals_inline(demo_splits, depth):
     def batches():  # the validation split: a few dozen micro-batches, iterated to its end
         return MicroBatchIterator(
             demo_splits[1], global_batch_size=8, micro_batch_size=2, dp_size=2, dp_rank=1
         )
 
     inline = list(HashPrefetchIterator(batches(), ngram_hash, prefetch=False))
-    with HashPrefetchIterator(batches(), ngram_hash, prefetch=True) as it:
+    with HashPrefetchIterator(batches(), ngram_hash, prefetch=True, depth=depth) as it:
         prefetched = list(it)
+        assert it.hash_s > 0 and it.wait_s >= 0
     assert len(inline) == len(prefetched) == len(batches())
     for a, b in zip(inline, prefetched):
         assert (
@@ -314,12 +316,17 @@ def test_prefetch_equals_inline(demo_splits):
         assert all(
             torch.equal(a[k], b[k]) for k in ("tokens", "labels", "loss_mask", "position_ids")
         )
-        assert set(a["engram_hash_ids"]) == {1, 3}
-        for layer in (1, 3):
-            ids = b["engram_hash_ids"][layer]
-            assert ids.dtype == torch.int64 and ids.shape == (2, 64, 3)
-            assert torch.equal(a["engram_hash_ids"][layer], ids)
-            assert torch.equal(ids, torch.from_numpy(ngram_hash(b["tokens"])[layer]))
+        block = b["engram_hash_ids"]  # one [L, B, S, K] block, layers in the mapping's order
+        assert block.dtype == torch.int64 and block.shape == (2, 2, 64, 3)
+        assert torch.equal(a["engram_hash_ids"], block)
+        expected = ngram_hash(b["tokens"])
+        for slot, layer in enumerate((1, 3)):
+            assert torch.equal(block[slot], torch.from_numpy(expected[layer]))
+
+
+def test_prefetch_depth_is_validated():
+    with pytest.raises(ValueError, match="depth must be a positive int"):
+        HashPrefetchIterator([], ngram_hash, depth=0)
 
 
 @pytest.mark.parametrize("prefetch", [True, False])

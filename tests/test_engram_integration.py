@@ -28,6 +28,13 @@ def test_layout_matches_single_stage_loss(results, tag, layout):
         assert loss == pytest.approx(reference, rel=1e-5, abs=1e-6)
 
 
+@pytest.mark.parametrize("tag", ["both_stages", "second_stage"])
+def test_in_model_hashing_equals_data_path_ids(results, tag):
+    # Layout tests feed the data path's [L, B, S, K] blocks; plain input_ids take the same route.
+    for r in results:
+        assert r[f"{tag}_pp1_in_model_hashing"] == r[f"{tag}_pp1"]
+
+
 def test_engram_placement_changes_the_model(results):
     assert results[0]["both_stages_pp1"] != results[0]["second_stage_pp1"]
 

@@ -20,12 +20,15 @@ Batch layout (a dict of CPU tensors, B = micro_batch_size, S = seq_length):
 - ``attention_mask`` bool   [B, 1, S, S]  only when the datasets were built with
   ``create_attention_mask=True`` (True = masked out)
 - ``dataset_id``    int16   [B]     only for a blend of several prefixes: which one
-- ``engram_hash_ids`` dict[int, int64 [B, S, K]]  added by `HashPrefetchIterator`
+- ``engram_hash_ids`` int64 [L, B, S, K]   added by `HashPrefetchIterator` (one block for the
+  L Engram layers, as ``NgramHashMapping.hash_stacked`` returns it)
 """
 
 from __future__ import annotations
 
+import collections
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -123,18 +126,21 @@ _END = object()
 class HashPrefetchIterator:
     """Adds ``batch["engram_hash_ids"] = hash_fn(batch["tokens"])`` to every micro-batch.
 
-    With ``prefetch=True`` a background CPU thread reads micro-batch k+1 from `batches` and
-    hashes it while the consumer works on micro-batch k (one micro-batch ahead, no more). A
-    batch is handed out only once its hash is complete; order is preserved; an exception
-    raised by `batches` or `hash_fn` in the thread is re-raised by the ``next()`` that would
-    have returned that batch, after which the iterator is closed. ``prefetch=False`` does the
-    same work inline in ``next()``.
+    With ``prefetch=True`` a background CPU thread reads and hashes up to ``depth`` micro-batches
+    ahead of the consumer (the trainer asks for a whole step's micro-batches ahead, so the next
+    step's hashing runs while this step computes). A batch is handed out only once its hash is
+    complete; order is preserved; an exception raised by `batches` or `hash_fn` in the thread is
+    re-raised by the ``next()`` that would have returned that batch, after which the iterator is
+    closed. ``prefetch=False`` does the same work inline in ``next()``.
 
-    `hash_fn` gets the CPU ``tokens`` tensor (int64 [B, S]) and returns ``{layer_id: ids}``
-    (tensors or numpy arrays; numpy arrays are wrapped as tensors without a copy).
+    `hash_fn` gets the CPU ``tokens`` tensor (int64 [B, S]) and returns the ``[L, B, S, K]``
+    block (a tensor or numpy array, wrapped without a copy; ``NgramHashMapping.hash_stacked``).
+    A ``{layer_id: [B, S, K]}`` mapping is stacked in its own order (give it in
+    ``engram_layer_ids`` order).
 
-    Because of the read-ahead, the wrapped iterator's own ``consumed_samples`` runs one
-    micro-batch ahead of the consumer: checkpoint the trainer's count, not the iterator's.
+    Because of the read-ahead, the wrapped iterator's own ``consumed_samples`` runs ahead of the
+    consumer: checkpoint the trainer's count, not the iterator's. ``wait_s`` accumulates the
+    time ``next()`` spent waiting for a hash (the part of hashing that was not hidden).
 
     Use as a context manager, or call `close()`, to stop the thread.
     """
@@ -142,19 +148,27 @@ class HashPrefetchIterator:
     def __init__(
         self,
         batches: Iterable[dict],
-        hash_fn: Callable[[torch.Tensor], Mapping[int, object]],
+        hash_fn: Callable[[torch.Tensor], object],
         prefetch: bool = True,
+        depth: int = 1,
     ) -> None:
+        if not isinstance(depth, int) or depth < 1:
+            raise ValueError(f"depth must be a positive int (micro-batches hashed ahead), got {depth!r}")
         self._batches = iter(batches)
         self._hash_fn = hash_fn
         self.prefetch = prefetch
+        self.depth = depth
+        self.wait_s = 0.0
+        self.hash_s = 0.0
         self._closed = False
         self._lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
-        self._pending: Future | None = None
+        self._pending: collections.deque[Future] = collections.deque()
         if prefetch:
+            # One worker: the wrapped iterator is read in order, one batch at a time.
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engram-hash")
-            self._pending = self._executor.submit(self._produce)
+            for _ in range(depth):
+                self._pending.append(self._executor.submit(self._produce))
 
     def _produce(self):
         try:
@@ -162,8 +176,12 @@ class HashPrefetchIterator:
         except StopIteration:
             return _END
         batch = dict(batch)
+        start = time.perf_counter()
         ids = self._hash_fn(batch["tokens"])
-        batch[HASH_KEY] = {int(layer): torch.as_tensor(v) for layer, v in ids.items()}
+        if isinstance(ids, Mapping):
+            ids = torch.stack([torch.as_tensor(v) for v in ids.values()])
+        batch[HASH_KEY] = torch.as_tensor(ids)
+        self.hash_s += time.perf_counter() - start
         return batch
 
     def __iter__(self) -> Iterator[dict]:
@@ -177,9 +195,11 @@ class HashPrefetchIterator:
                 if self._executor is None:
                     item = self._produce()
                 else:
-                    item = self._pending.result()
+                    start = time.perf_counter()
+                    item = self._pending.popleft().result()
+                    self.wait_s += time.perf_counter() - start
                     if item is not _END:
-                        self._pending = self._executor.submit(self._produce)
+                        self._pending.append(self._executor.submit(self._produce))
             except BaseException:
                 self._close_locked()
                 raise
@@ -198,7 +218,7 @@ class HashPrefetchIterator:
         if self._executor is not None:
             self._executor.shutdown(wait=True, cancel_futures=True)
             self._executor = None
-            self._pending = None
+            self._pending.clear()
 
     def __enter__(self) -> HashPrefetchIterator:
         return self

@@ -1,33 +1,24 @@
-"""EngramGPTModel: megatron's GPTModel with an EngramTransformerBlock decoder.
+"""EngramGPTModel: megatron's GPTModel whose Engram layers receive the micro-batch's hash ids.
 
-It takes the micro-batch's ``input_ids`` on every pipeline stage (middle stages need them for
-their Engram layers) plus, when the data path produced them, ``engram_hash_ids``
-(``{layer_id: [B, S, K]}``); otherwise it hashes ``input_ids`` itself, once per micro-batch,
-with an ``NgramHashMapping`` built from ``engram_tokenizer_name_or_path``.
+One route for hash ids, from the hasher to the layers: one int64 block ``[L, B, S, K]`` per
+micro-batch (L = Engram layers in ``engram_layer_ids`` order, K = (N-1) x H), as
+``NgramHashMapping.hash_stacked`` returns it. The data path hashes it on a CPU thread and the
+step copies it to the device once (``engram_hash_ids``); a caller that feeds plain
+``input_ids`` gets the same block hashed here. The block travels to the layers through
+megatron's own decoder kwargs: ``GPTModel.forward(extra_block_kwargs={"context": block})`` ->
+``TransformerBlock.forward(context=...)`` -> every layer's ``context`` (saved with the layer
+inputs under full recompute, so a recomputed layer sees its own micro-batch's ids). Engram
+layers read their slice; plain GPT layers pass the slot through untouched. Every pipeline stage
+takes the batch (middle stages need the ids for their Engram layers). Tracks megatron-core
+0.16.1 (``GPTModel.forward(..., extra_block_kwargs=...)``).
 """
 
 from __future__ import annotations
 
-import contextlib
 from typing import Mapping
 
 import torch
-from megatron.core.models.gpt import gpt_model as _gpt_model_module
 from megatron.core.models.gpt.gpt_model import GPTModel
-
-from engram_train.models.engram_block import EngramTransformerBlock, pack_hash_ids
-
-
-@contextlib.contextmanager
-def _decoder_class(block_cls: type):
-    """GPTModel.__init__ builds ``TransformerBlock`` by name (megatron-core 0.16.1); build
-    ``block_cls`` instead, in the same order, so RNG use and parameter names are unchanged."""
-    original = _gpt_model_module.TransformerBlock
-    _gpt_model_module.TransformerBlock = block_cls
-    try:
-        yield
-    finally:
-        _gpt_model_module.TransformerBlock = original
 
 
 def validate_engram_model_config(config) -> None:
@@ -46,13 +37,34 @@ def validate_engram_model_config(config) -> None:
         )
 
 
+def stack_hash_ids(
+    hash_ids: Mapping[int, torch.Tensor] | torch.Tensor, layer_ids: list[int]
+) -> torch.Tensor:
+    """The ``[L, B, S, K]`` block; a ``{layer_id: [B, S, K]}`` dict is stacked in
+    ``layer_ids`` order (one copy), a tensor is checked and passed through."""
+    if isinstance(hash_ids, Mapping):
+        missing = [layer for layer in layer_ids if layer not in hash_ids]
+        if missing:
+            raise ValueError(
+                f"engram_hash_ids has no ids for Engram layers {missing} (has {sorted(hash_ids)})"
+            )
+        hash_ids = torch.stack([torch.as_tensor(hash_ids[layer]) for layer in layer_ids])
+    if hash_ids.ndim != 4 or hash_ids.shape[0] != len(layer_ids):
+        raise ValueError(
+            f"engram_hash_ids must be [{len(layer_ids)}, B, S, K] (one slice per Engram layer, "
+            f"as NgramHashMapping.hash_stacked returns), got {tuple(hash_ids.shape)}"
+        )
+    if hash_ids.dtype != torch.int64:
+        raise ValueError(f"engram_hash_ids must be int64, got {hash_ids.dtype}")
+    return hash_ids
+
+
 class EngramGPTModel(GPTModel):
-    """GPTModel whose Engram layers receive per-micro-batch hash ids."""
+    """GPTModel whose Engram layers receive per-micro-batch hash ids (module docstring)."""
 
     def __init__(self, config, transformer_layer_spec, *args, **kwargs):
         validate_engram_model_config(config)
-        with _decoder_class(EngramTransformerBlock):
-            super().__init__(config, transformer_layer_spec, *args, **kwargs)
+        super().__init__(config, transformer_layer_spec, *args, **kwargs)
         self._hash_mapping = None
 
     @property
@@ -76,12 +88,26 @@ class EngramGPTModel(GPTModel):
         attention_mask: torch.Tensor,
         *args,
         engram_hash_ids: Mapping[int, torch.Tensor] | torch.Tensor | None = None,
+        extra_block_kwargs: dict | None = None,
         **kwargs,
     ):
+        layer_ids = list(self.config.engram_layer_ids)
         if engram_hash_ids is None:
             if input_ids is None:
-                raise ValueError("EngramGPTModel needs input_ids or engram_hash_ids on every pipeline stage")
-            engram_hash_ids = self.hash_mapping.hash(input_ids)
-        packed = pack_hash_ids(engram_hash_ids, self.config.engram_layer_ids)
-        self.decoder.set_engram_hash_ids(packed)
-        return super().forward(input_ids, position_ids, attention_mask, *args, **kwargs)
+                raise ValueError(
+                    "EngramGPTModel needs input_ids or engram_hash_ids on every pipeline stage"
+                )
+            engram_hash_ids = self.hash_mapping.hash_stacked(input_ids)  # one copy back
+        block = stack_hash_ids(engram_hash_ids, layer_ids)
+        if input_ids is not None and tuple(block.shape[1:3]) != tuple(input_ids.shape):
+            raise ValueError(
+                f"engram_hash_ids {tuple(block.shape)} do not match input_ids "
+                f"{tuple(input_ids.shape)}: expected [{len(layer_ids)}, B, S, K]"
+            )
+        extra_block_kwargs = dict(extra_block_kwargs or {})
+        if extra_block_kwargs.get("context") is not None:
+            raise ValueError("Engram models use the decoder's context slot for hash ids; "
+                             "cross-attention context is not supported with Engram")
+        extra_block_kwargs["context"] = block
+        return super().forward(input_ids, position_ids, attention_mask, *args,
+                               extra_block_kwargs=extra_block_kwargs, **kwargs)

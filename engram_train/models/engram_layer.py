@@ -3,8 +3,9 @@
 ``h = h + Engram(h, hash_ids)``, then megatron's unchanged layer forward. The micro-batch's
 hash ids arrive through the ``context`` argument that megatron's block already hands to every
 layer (and saves with the inputs under full recompute, so a recomputed layer sees the same
-ids); decoder-only GPT models leave that slot unused. The packed tensor is
-``[S, B, num_engram_layers, K]`` and this layer reads its own slice by global layer id.
+ids); decoder-only GPT models leave that slot unused. The block is ``[L, B, S, K]``
+(``models/engram_gpt.py``) and this layer reads its slice by its position in
+``engram_layer_ids``.
 The Engram table is sharded by the model's embedding-parallel method
 (``engram_train.parallel.engram_embedding_parallel``: ``alltoall`` over the Engram
 embedding-parallel group, or ``allreduce`` over this layer's tensor-parallel group).
@@ -77,7 +78,7 @@ class EngramTransformerLayer(TransformerLayer):
                 f"Engram layer {self.engram_layer_id} got no hash ids: call EngramGPTModel with "
                 "input_ids (or engram_hash_ids) on every pipeline stage"
             )
-        hash_ids = context[:, :, self.engram_slot]
+        hash_ids = context[self.engram_slot].transpose(0, 1)  # [S, B, K], sequence first
         hidden_states = hidden_states + self.engram_branch(hidden_states, hash_ids)
         output, _ = super().forward(hidden_states, *args, context=None, **kwargs)
         return output, context

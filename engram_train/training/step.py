@@ -40,10 +40,11 @@ def model_inputs(batch: Batch, device: torch.device) -> dict[str, Any]:
         ),
         labels=batch["labels"].to(device, non_blocking=True),
     )
-    if batch.get("engram_hash_ids") is not None:
-        kwargs["engram_hash_ids"] = {
-            layer: ids.to(device, non_blocking=True) for layer, ids in batch["engram_hash_ids"].items()
-        }
+    hash_ids = batch.get("engram_hash_ids")
+    if isinstance(hash_ids, torch.Tensor):  # the [L, B, S, K] block: one copy per micro-batch
+        kwargs["engram_hash_ids"] = hash_ids.to(device, non_blocking=True)
+    elif hash_ids is not None:  # {layer_id: [B, S, K]}: the model stacks it
+        kwargs["engram_hash_ids"] = hash_ids
     return kwargs
 
 

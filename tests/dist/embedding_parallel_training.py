@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import torch
 import torch.distributed as dist
 from common import SEQ, VOCAB, parse_args, repeated_batches, write_result
-from engram_integration import engram_config
+from engram_integration import engram_config, with_hash_ids
 
 from engram_train.runtime import ParallelSizes, initialize_distributed
 
@@ -86,7 +86,7 @@ def table_optimizer(optimizer) -> EngramTableOptimizer:
 
 
 def my_batches():
-    batches = repeated_batches(GLOBAL_BATCH, 1, seed=3)
+    batches = with_hash_ids(repeated_batches(GLOBAL_BATCH, 1, seed=3), LAYER_IDS)
     dp = parallel_state.get_data_parallel_world_size()
     rank = parallel_state.get_data_parallel_rank()
     share = GLOBAL_BATCH // dp
@@ -153,7 +153,7 @@ def train(model, optimizer, steps):
 
 def varying_batches(step: int):
     """This rank's share of a global batch that changes every step (new rows get touched)."""
-    batches = repeated_batches(GLOBAL_BATCH, 1, seed=100 + step)
+    batches = with_hash_ids(repeated_batches(GLOBAL_BATCH, 1, seed=100 + step), LAYER_IDS)
     dp = parallel_state.get_data_parallel_world_size()
     share = GLOBAL_BATCH // dp
     rank = parallel_state.get_data_parallel_rank()

@@ -51,6 +51,16 @@ def engram_config(layout: ParallelSizes, layer_ids, sp=False, **overrides):
     return cfg
 
 
+def with_hash_ids(batches, layer_ids):
+    """The data path's hash ids: one [L, B, S, K] block per micro-batch (as the trainer's
+    HashPrefetchIterator adds them), so the model takes the ids it is given."""
+    from engram_train.config import EngramConfig
+    from engram_train.engram.hashing import NgramHashMapping
+
+    mapping = NgramHashMapping(EngramConfig(engram_layer_ids=list(layer_ids), **ENGRAM))
+    return [dict(b, engram_hash_ids=mapping.hash_stacked(b["tokens"])) for b in batches]
+
+
 def init(layout: ParallelSizes, seed=1):
     parallel_state.destroy_model_parallel()
     initialize_distributed(layout, seed=seed)
@@ -84,12 +94,15 @@ def check_plain_equals_gpt(result):
 
 
 def check_layouts(result, layer_ids, tag):
-    batches = repeated_batches(num_microbatches=4, micro_batch_size=2, seed=3)
+    plain = repeated_batches(num_microbatches=4, micro_batch_size=2, seed=3)
+    batches = with_hash_ids(plain, layer_ids)
 
     init(ParallelSizes(), seed=11)
     root = shared_tmpdir()
     model = build(engram_config(ParallelSizes(), layer_ids))
     result[f"{tag}_pp1"] = evaluate(model, batches, SEQ, 2)
+    # Plain input_ids: the model hashes them itself, through the same [L, B, S, K] route.
+    result[f"{tag}_pp1_in_model_hashing"] = evaluate(model, plain, SEQ, 2)
     save_checkpoint(root, 1, model)
 
     for name, layout, sp in (
@@ -125,7 +138,7 @@ def grads_after_step(model, batches):
 
 def check_recompute(result):
     layout = ParallelSizes(pipeline=2)
-    batches = [repeated_batches(1, 2, seed=100 + i)[0] for i in range(4)]
+    batches = with_hash_ids([repeated_batches(1, 2, seed=100 + i)[0] for i in range(4)], [1, 3])
     init(layout, seed=5)
     root = shared_tmpdir()
     base = build(engram_config(layout, [1, 3]))
@@ -153,7 +166,7 @@ def check_virtual_pipeline(result):
     from engram_train.training.optimizer import build_optimizer
     from engram_train.training.step import train_step
 
-    batches = [repeated_batches(1, 2, seed=200 + i)[0] for i in range(4)]
+    batches = with_hash_ids([repeated_batches(1, 2, seed=200 + i)[0] for i in range(4)], [1, 3])
     root = None
     for name, layout in (("pp2", ParallelSizes(pipeline=2)), ("vpp2", ParallelSizes(pipeline=2, virtual_pipeline=2))):
         init(layout, seed=7 if name == "pp2" else 8)
