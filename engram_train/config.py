@@ -20,6 +20,7 @@ TABLE_OPTIMIZERS = ("sparse_adam", "adam")
 
 _BOOL_FIELDS = (
     "use_engram",
+    "engram_prefetch",
     "engram_offload_embedding_optimizer_states",
     "engram_reset_at_eos",
 )
@@ -82,6 +83,10 @@ class EngramConfig:
 
     engram_offload_embedding_optimizer_states: bool = False
     """Keep the Engram tables' optimizer states (and fp32 master) in host memory."""
+
+    engram_prefetch: bool = True
+    """Start every Engram layer's lookup at the start of its model chunk's forward, so the row
+    exchange runs while the layers before it compute (False: each layer looks up when it runs)."""
 
     engram_optimizer: str = "sparse_adam"
     """Table optimizer: 'sparse_adam' (lazy row-wise Adam: a step costs the rows its tokens

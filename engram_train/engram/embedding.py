@@ -190,6 +190,15 @@ class MultiHeadEmbedding(nn.Module):
             return self.parallel.lookup(self, rows).flatten(-2)
         return self.lookup_rows(rows).flatten(-2)
 
+    def issue(self, hash_ids: torch.Tensor):
+        """Start this lookup early (the next-layer prefetch): returns an object whose
+        ``wait()`` gives ``forward(hash_ids)``, the same values bit for bit. Sharded tables send
+        their rows asynchronously in between; a full local table is read right away."""
+        rows = self.table_rows(hash_ids)
+        if self.parallel is None:
+            return _Ready(self.lookup_rows(rows).flatten(-2))
+        return _Flattened(self.parallel.issue(self, rows))
+
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
         """megatron dist_checkpointing view: the table as one ShardedTensor over its global rows
         (so a checkpoint saved under one sharding loads under another), replicas named by the
@@ -229,6 +238,22 @@ class MultiHeadEmbedding(nn.Module):
                 axis_fragmentations=None, replica_id=replica_id,
             )
         return state
+
+
+class _Ready:
+    def __init__(self, value: torch.Tensor) -> None:
+        self.value = value
+
+    def wait(self) -> torch.Tensor:
+        return self.value
+
+
+class _Flattened:
+    def __init__(self, pending) -> None:
+        self.pending = pending
+
+    def wait(self) -> torch.Tensor:
+        return self.pending.wait().flatten(-2)
 
 
 def _tensor_parallel_group():

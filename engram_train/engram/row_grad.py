@@ -47,11 +47,22 @@ class RowGradAccumulator:
         self.num_rows, self.dim = int(num_rows), int(dim)
         self._rows: list[torch.Tensor] = []
         self._values: list[torch.Tensor] = []
+        self._works: list = []  # collectives still filling some of the values
 
-    def add(self, rows: torch.Tensor, values: torch.Tensor) -> None:
+    def add(self, rows: torch.Tensor, values: torch.Tensor, work=None) -> None:
+        """Append row pairs; with ``work`` (an async collective still writing ``values``),
+        the pair is read only after ``work.wait()`` (at ``coalesce``)."""
         if rows.numel():
             self._rows.append(rows.reshape(-1))
-            self._values.append(values.reshape(-1, self.dim).float())
+            self._values.append(values.reshape(-1, self.dim))
+            if work is not None:
+                self._works.append(work)
+
+    def wait(self) -> None:
+        """Wait for the gradient exchanges still in flight."""
+        works, self._works = self._works, []
+        for work in works:
+            work.wait()
 
     @property
     def pending(self) -> int:
@@ -60,15 +71,18 @@ class RowGradAccumulator:
 
     def coalesce(self, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Distinct rows and their summed float32 gradients; clears the accumulator."""
+        self.wait()
         if not self._rows:
             rows = torch.empty(0, dtype=torch.int64, device=device)
             return rows, torch.empty((0, self.dim), dtype=torch.float32, device=device)
         rows = torch.cat(self._rows) if len(self._rows) > 1 else self._rows[0]
-        values = torch.cat(self._values) if len(self._values) > 1 else self._values[0]
+        values = [v.float() for v in self._values]
+        values = torch.cat(values) if len(values) > 1 else values[0]
         self.clear()
         return coalesce_rows(rows, values)
 
     def clear(self) -> None:
+        self.wait()
         self._rows.clear()
         self._values.clear()
 

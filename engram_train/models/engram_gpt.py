@@ -11,6 +11,12 @@ inputs under full recompute, so a recomputed layer sees its own micro-batch's id
 layers read their slice; plain GPT layers pass the slot through untouched. Every pipeline stage
 takes the batch (middle stages need the ids for their Engram layers). Tracks megatron-core
 0.16.1 (``GPTModel.forward(..., extra_block_kwargs=...)``).
+
+Prefetch (``engram_prefetch``): ids depend on tokens only, so before the chunk's forward runs,
+every Engram layer of the chunk starts its lookup (ids to owners, rows back asynchronously);
+each layer waits for its rows when it runs, so the exchange overlaps the embedding and the
+layers before it. A layer re-run by full recompute looks up again (the table has not changed
+within the step: same rows).
 """
 
 from __future__ import annotations
@@ -109,5 +115,17 @@ class EngramGPTModel(GPTModel):
             raise ValueError("Engram models use the decoder's context slot for hash ids; "
                              "cross-attention context is not supported with Engram")
         extra_block_kwargs["context"] = block
-        return super().forward(input_ids, position_ids, attention_mask, *args,
-                               extra_block_kwargs=extra_block_kwargs, **kwargs)
+        layers = self._engram_layers() if self.config.engram_prefetch else []
+        for layer in layers:  # every lookup starts now, in layer order on every rank
+            layer.prefetched_lookup = (block, layer.issue_lookup(block))
+        try:
+            return super().forward(input_ids, position_ids, attention_mask, *args,
+                                   extra_block_kwargs=extra_block_kwargs, **kwargs)
+        finally:
+            for layer in layers:  # a recomputed layer (full recompute) looks up again
+                layer.prefetched_lookup = None
+
+    def _engram_layers(self) -> list:
+        from engram_train.models.engram_layer import EngramTransformerLayer
+
+        return [m for m in self.decoder.layers if isinstance(m, EngramTransformerLayer)]

@@ -48,6 +48,8 @@ class EngramTransformerLayer(TransformerLayer):
                 f"in engram_layer_ids={layer_ids}: build it with engram_block_spec"
             )
         self.engram_slot = layer_ids.index(self.engram_layer_id)
+        # (hash id block, pending lookup) set by EngramGPTModel's prefetch for one forward
+        self.prefetched_lookup = None
         self.engram = build_module(
             submodules.engram,
             config=config,
@@ -56,21 +58,27 @@ class EngramTransformerLayer(TransformerLayer):
             embedding_parallel=engram_embedding_parallel(config, tp_group=self.pg_collection.tp),
         )
 
-    def engram_branch(self, hidden_states: torch.Tensor, hash_ids: torch.Tensor) -> torch.Tensor:
-        """Engram output for this rank's hidden slice.
+    def engram_branch(self, hidden_states: torch.Tensor, hash_ids: torch.Tensor,
+                      memory: torch.Tensor | None = None) -> torch.Tensor:
+        """Engram output for this rank's hidden slice (``memory``: rows already fetched).
 
         With sequence parallelism the hidden states are split over TP along the sequence, but
         the short conv reads neighbouring positions: gather the full sequence (backward: take
         this rank's slice, since every TP rank computes the same branch), run Engram, keep
         this rank's slice.
         """
+        ids = dict(hash_ids=hash_ids) if memory is None else dict(memory=memory)
         if self.config.sequence_parallel and self.pg_collection.tp.size() > 1:
             tp = self.pg_collection.tp
             full = gather_from_sequence_parallel_region(
                 hidden_states, tensor_parallel_output_grad=False, group=tp
             )
-            return scatter_to_sequence_parallel_region(self.engram(full, hash_ids=hash_ids), group=tp)
-        return self.engram(hidden_states, hash_ids=hash_ids)
+            return scatter_to_sequence_parallel_region(self.engram(full, **ids), group=tp)
+        return self.engram(hidden_states, **ids)
+
+    def issue_lookup(self, context: torch.Tensor):
+        """Start this layer's lookup for the micro-batch's [L, B, S, K] block (prefetch)."""
+        return self.engram.multi_head_embedding.issue(context[self.engram_slot].transpose(0, 1))
 
     def forward(self, hidden_states: torch.Tensor, *args, context: Optional[torch.Tensor] = None, **kwargs):
         if context is None:
@@ -78,7 +86,12 @@ class EngramTransformerLayer(TransformerLayer):
                 f"Engram layer {self.engram_layer_id} got no hash ids: call EngramGPTModel with "
                 "input_ids (or engram_hash_ids) on every pipeline stage"
             )
+        memory = None
+        prefetched = self.prefetched_lookup
+        if prefetched is not None and prefetched[0] is context:
+            memory = prefetched[1].wait()  # issued at the chunk's start; used once
+            self.prefetched_lookup = None
         hash_ids = context[self.engram_slot].transpose(0, 1)  # [S, B, K], sequence first
-        hidden_states = hidden_states + self.engram_branch(hidden_states, hash_ids)
+        hidden_states = hidden_states + self.engram_branch(hidden_states, hash_ids, memory)
         output, _ = super().forward(hidden_states, *args, context=None, **kwargs)
         return output, context

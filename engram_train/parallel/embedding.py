@@ -27,13 +27,15 @@ them over ``grad_sync_group`` and applies megatron DDP's averaging.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from engram_train.engram.row_grad import gather_rows
+from engram_train.engram.row_grad import ROW_GRAD_ATTR, deliver_row_grad, gather_rows
 
 
 def row_range(num_rows: int, rank: int, size: int) -> tuple[int, int]:
@@ -88,60 +90,81 @@ def route_ids(ids: torch.Tensor, boundaries: torch.Tensor, group, stats):
     return recv_ids, send_splits, recv_splits
 
 
-class _ExchangeRows(torch.autograd.Function):
-    """All-to-all of row blocks (uneven splits); backward returns the gradients the same way."""
+class _ServeRows(torch.autograd.Function):
+    """Owner side of a routed lookup: gather the requested rows of this shard and all-to-all
+    them back to the requesters (uneven splits). With ``handles`` (a list) the exchange is
+    asynchronous: its work handle is appended there and the output is valid once it is waited.
+
+    Backward: the requesters' gradient rows come back by the reverse all-to-all and reach the
+    table row-sparse (``engram/row_grad.py``); for an armed table the exchange is not waited
+    here but by the accumulator, when the step needs the gradient."""
 
     @staticmethod
-    def forward(ctx, values, send_splits, recv_splits, group, stats):
-        ctx.splits, ctx.group, ctx.stats = (send_splits, recv_splits), group, stats
-        out = values.new_empty((sum(recv_splits), values.shape[1]))
-        dist.all_to_all_single(out, values.contiguous(), recv_splits, send_splits, group=group)
+    def forward(ctx, weight, local_rows, send_splits, recv_splits, group, stats, handles):
+        ctx.weight, ctx.group, ctx.stats = weight, group, stats
+        ctx.splits = (send_splits, recv_splits)
+        ctx.save_for_backward(local_rows)
+        served = nn.functional.embedding(local_rows, weight)
+        out = served.new_empty((sum(recv_splits), served.shape[1]))
+        work = dist.all_to_all_single(out, served, recv_splits, send_splits, group=group,
+                                      async_op=handles is not None)
+        if handles is not None:
+            handles.append(work)
         if stats is not None:
-            row_bytes = values.element_size() * values.shape[1]
+            row_bytes = served.element_size() * served.shape[1]
             stats.count("alltoall_sent", _sent_bytes(send_splits, group.rank(), row_bytes))
         return out
 
     @staticmethod
     def backward(ctx, grad):
+        (local_rows,) = ctx.saved_tensors
         send_splits, recv_splits = ctx.splits
         grad = grad.contiguous()
         out = grad.new_empty((sum(send_splits), grad.shape[1]))
-        dist.all_to_all_single(out, grad, send_splits, recv_splits, group=ctx.group)
+        accumulator = getattr(ctx.weight, ROW_GRAD_ATTR, None)
+        work = dist.all_to_all_single(out, grad, send_splits, recv_splits, group=ctx.group,
+                                      async_op=accumulator is not None)
         if ctx.stats is not None:
             row_bytes = grad.element_size() * grad.shape[1]
             ctx.stats.count("alltoall_sent", _sent_bytes(recv_splits, ctx.group.rank(), row_bytes))
-        return out, None, None, None, None
+        if accumulator is not None:  # waited when the optimizer coalesces the gradient
+            accumulator.add(local_rows, out, work=work)
+            return (None,) * 7
+        return (deliver_row_grad(ctx.weight, local_rows, out),) + (None,) * 6
 
 
-def routed_lookup(weight, ids, row_start, boundaries, group, stats) -> torch.Tensor:
+def routed_lookup(weight, ids, row_start, boundaries, group, stats, handles=None):
     """Sorted distinct global rows (any owner) -> their values [n, D], through the owners.
 
-    Forward: ids to owners, owners gather, rows back. Backward: one gradient row per distinct id
-    back to its owner, whose table receives it row-sparse (``engram/row_grad.py``)."""
+    Forward: ids to owners (counts, then ids: small and blocking), owners gather, rows back
+    (asynchronous when ``handles`` is given). Backward: one gradient row per distinct id back to
+    its owner, whose table receives it row-sparse (``engram/row_grad.py``)."""
     if group is None or group.size() == 1:
         return gather_rows(weight, ids - row_start)
     recv_ids, send_splits, recv_splits = route_ids(ids, boundaries, group, stats)
-    served = gather_rows(weight, recv_ids - row_start)
-    return _ExchangeRows.apply(served, recv_splits, send_splits, group, stats)
+    return _ServeRows.apply(weight, recv_ids - row_start, recv_splits, send_splits, group,
+                            stats, handles)
 
 
 class _ReduceOverGroup(torch.autograd.Function):
     """All-reduce (sum) forward, identity backward: megatron's reduce_from_tensor_model_parallel
-    region, with byte accounting."""
+    region, with byte accounting; asynchronous when ``handles`` (a list) is given."""
 
     @staticmethod
-    def forward(ctx, values, group, stats):
+    def forward(ctx, values, group, stats, handles=None):
         if group is None or group.size() == 1:
             return values
         values = values.contiguous()
-        dist.all_reduce(values, group=group)
+        work = dist.all_reduce(values, group=group, async_op=handles is not None)
+        if handles is not None:
+            handles.append(work)
         if stats is not None:
             stats.count("allreduce_payload", values.numel() * values.element_size())
         return values
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None, None
+        return grad, None, None, None
 
 
 class _GatherKeepSlice(torch.autograd.Function):
@@ -166,6 +189,44 @@ class _GatherKeepSlice(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad[ctx.start : ctx.start + ctx.chunk], None, None, None
+
+
+@dataclass
+class LookupTimes:
+    """Seconds this process spent in Engram lookups since the last ``reset``: ``issue_s`` in
+    starting them (hashing ids to owners, gathers; the blocking part), ``wait_s`` waiting for
+    rows still in flight when a layer needed them. Without prefetch a lookup's whole exchange
+    is waited at once, so ``wait_s`` is the exchange time; with prefetch it is what was not
+    hidden behind the layers before."""
+
+    issue_s: float = 0.0
+    wait_s: float = 0.0
+    lookups: int = 0
+
+    def reset(self) -> None:
+        self.issue_s = self.wait_s = 0.0
+        self.lookups = 0
+
+
+LOOKUP_TIMES = LookupTimes()
+
+
+class PendingLookup:
+    """A lookup whose rows may still be in flight: ``wait()`` returns them ([..., D])."""
+
+    def __init__(self, values: torch.Tensor, handles: list, finish) -> None:
+        self._values, self._handles, self._finish = values, handles, finish
+        self._result: torch.Tensor | None = None
+
+    def wait(self) -> torch.Tensor:
+        if self._result is None:
+            start = time.perf_counter()
+            for work in self._handles:
+                work.wait()
+            LOOKUP_TIMES.wait_s += time.perf_counter() - start
+            self._result = self._finish(self._values)
+            self._values = self._handles = self._finish = None
+        return self._result
 
 
 class _ShardedLookup:
@@ -240,8 +301,15 @@ class AllToAllLookup(_ShardedLookup):
 
     def lookup(self, embedding, rows: torch.Tensor) -> torch.Tensor:
         """Global rows [...] -> [..., D] through the owners, each distinct row fetched once."""
+        return self.issue(embedding, rows, prefetch=False).wait()
+
+    def issue(self, embedding, rows: torch.Tensor, prefetch: bool = True) -> PendingLookup:
+        """Start the lookup of ``lookup``; with ``prefetch`` the rows travel back
+        asynchronously while the caller computes, and ``wait()`` collects them."""
+        start = time.perf_counter()
         unique, inverse = self._distinct(rows)
         tp = self.tensor_group.size() if self.tensor_group is not None else 1
+        sizes = None
         if tp > 1:  # TP peers hold the same micro-batch: each fetches a block of its rows
             sizes = [hi - lo for lo, hi in (row_range(unique.numel(), r, tp) for r in range(tp))]
             lo, hi = row_range(unique.numel(), self.tensor_group.rank(), tp)
@@ -250,13 +318,20 @@ class AllToAllLookup(_ShardedLookup):
         if key not in self._boundaries:
             self._boundaries[key] = row_boundaries(embedding.num_rows, self.num_shards,
                                                    unique.device)
+        handles: list = []
         values = routed_lookup(
             embedding.weight, unique, embedding.row_start, self._boundaries[key],
-            self.embedding_group, self.stats,
+            self.embedding_group, self.stats, handles if prefetch else None,
         )
-        if tp > 1:
-            values = _GatherKeepSlice.apply(values, self.tensor_group, sizes, self.stats)
-        return values.index_select(0, inverse).view(*rows.shape, values.shape[-1])
+
+        def finish(values: torch.Tensor) -> torch.Tensor:
+            if sizes is not None:
+                values = _GatherKeepSlice.apply(values, self.tensor_group, sizes, self.stats)
+            return values.index_select(0, inverse).view(*rows.shape, values.shape[-1])
+
+        LOOKUP_TIMES.issue_s += time.perf_counter() - start
+        LOOKUP_TIMES.lookups += 1
+        return PendingLookup(values, handles, finish)
 
 
 class AllReduceLookup(_ShardedLookup):
@@ -277,15 +352,29 @@ class AllReduceLookup(_ShardedLookup):
     def lookup(self, embedding, rows: torch.Tensor) -> torch.Tensor:
         """Masked lookup of each distinct row on every shard, summed over TP ([distinct, D]
         all-reduced, not [positions, D]), then expanded to the positions."""
+        return self.issue(embedding, rows, prefetch=False).wait()
+
+    def issue(self, embedding, rows: torch.Tensor, prefetch: bool = True) -> PendingLookup:
+        """As ``lookup``; with ``prefetch`` the all-reduce runs asynchronously until
+        ``wait()``."""
+        start = time.perf_counter()
         unique, inverse = self._distinct(rows)
         local = unique - embedding.row_start
+        handles: list = []
         if self.num_shards == 1:
             values = gather_rows(embedding.weight, local)
         else:
             owned = (local >= 0) & (local < embedding.weight.shape[0])
             values = gather_rows(embedding.weight, torch.where(owned, local, 0), owned)
-            values = _ReduceOverGroup.apply(values, self.tensor_group, self.stats)
-        return values.index_select(0, inverse).view(*rows.shape, values.shape[-1])
+            values = _ReduceOverGroup.apply(values, self.tensor_group, self.stats,
+                                            handles if prefetch else None)
+
+        def finish(values: torch.Tensor) -> torch.Tensor:
+            return values.index_select(0, inverse).view(*rows.shape, values.shape[-1])
+
+        LOOKUP_TIMES.issue_s += time.perf_counter() - start
+        LOOKUP_TIMES.lookups += 1
+        return PendingLookup(values, handles, finish)
 
 
 def table_gradient_groups(config) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
