@@ -88,10 +88,16 @@ class EngramTransformerLayer(TransformerLayer):
             )
         memory = None
         prefetched = self.prefetched_lookup
-        if prefetched is not None and prefetched[0] is context:
+        if prefetched is not None and _same_tensor(prefetched[0], context):
             memory = prefetched[1].wait()  # issued at the chunk's start; used once
             self.prefetched_lookup = None
         hash_ids = context[self.engram_slot].transpose(0, 1)  # [S, B, K], sequence first
         hidden_states = hidden_states + self.engram_branch(hidden_states, hash_ids, memory)
         output, _ = super().forward(hidden_states, *args, context=None, **kwargs)
         return output, context
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same ids block (megatron's recompute may hand the layer an alias of it)."""
+    return a is b or (a.data_ptr() == b.data_ptr() and a.shape == b.shape
+                      and a.stride() == b.stride())
