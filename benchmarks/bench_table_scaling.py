@@ -85,7 +85,7 @@ def run_trainer(config: dict, iters: int, nproc: int, workdir: Path) -> dict:
         raise RuntimeError(f"{config['name']} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     steps = {int(m.group(1)): float(m.group(2)) / 1000 for m in STEP_RE.finditer(proc.stdout)}
     peaks = [float(m.group(2)) for m in MEM_RE.finditer(proc.stdout)]
-    return dict(steps=steps, peak_rss_gib=max(peaks) if peaks else None)
+    return dict(steps=steps, peak_rss_gib=max(peaks) if peaks else None, exp_dir=exp)
 
 
 def table_params_per_rank(scale: int) -> int:
