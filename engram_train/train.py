@@ -157,6 +157,9 @@ def run(cfg: DictConfig) -> dict:
 
     metrics = MetricsWriter(exp_dir, enabled=is_logger, resume_iteration=iteration if iteration else None)
     train_iter = batches(train_ds, consumed)
+    from engram_train.training.engram_timing import EngramStepTimes
+
+    engram_times = EngramStepTimes(train_iter) if model_config.use_engram else None
     tokens_per_step = t.global_batch_size * t.seq_length
     last: dict = {}
     window_start, window_steps = time.perf_counter(), 0
@@ -170,11 +173,14 @@ def run(cfg: DictConfig) -> dict:
         eval_now = bool(t.eval_interval) and (iteration % t.eval_interval == 0 or iteration == t.train_iters)
         if log_now or eval_now:
             step_time = (time.perf_counter() - window_start) / window_steps
+            steps_in_window = window_steps
             window_start, window_steps = time.perf_counter(), 0
             record = dict(
                 lm_loss=result.lm_loss, lr=get_canonical_lr_for_logging(optimizer.param_groups),
                 grad_norm=result.grad_norm, tokens_per_s=tokens_per_step / step_time, step_time_s=step_time,
             )
+            engram = engram_times.window(steps_in_window) if engram_times else {}
+            record.update(engram)
             if eval_now:
                 record["val_loss"] = validation_loss()
             if is_logger:
@@ -183,6 +189,7 @@ def run(cfg: DictConfig) -> dict:
                     step_time_s=step_time, lr=record["lr"], global_batch_size=t.global_batch_size,
                     losses={"lm loss": result.lm_loss}, tokens_per_s=record["tokens_per_s"],
                     grad_norm=result.grad_norm,
+                    extra={"engram wait (ms)": engram["engram_wait_s"] * 1000} if engram else None,
                 ), flush=True)
                 if record.get("val_loss") is not None:
                     print(format_eval_line(iteration, {"lm loss": record["val_loss"]}), flush=True)
