@@ -34,8 +34,10 @@ def build_gpt_model(
     vocab_size: int,
     max_sequence_length: int,
     vp_stage: int | None = None,
+    use_te: bool | None = None,
 ) -> torch.nn.Module:
-    """One model chunk for this pipeline rank (and virtual stage)."""
+    """One model chunk for this pipeline rank (and virtual stage). ``use_te``: Transformer
+    Engine spec or the local spec (default: TE when CUDA and TE are present)."""
     pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
     post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
     kwargs = dict(
@@ -51,8 +53,9 @@ def build_gpt_model(
         from engram_train.models.engram_gpt import EngramGPTModel
         from engram_train.models.engram_specs import engram_block_spec
 
-        return EngramGPTModel(config, engram_block_spec(config, vp_stage=vp_stage), **kwargs)
-    return GPTModel(config, deepseek_v3_block_spec(config, vp_stage=vp_stage), **kwargs)
+        spec = engram_block_spec(config, use_te=use_te, vp_stage=vp_stage)
+        return EngramGPTModel(config, spec, **kwargs)
+    return GPTModel(config, deepseek_v3_block_spec(config, use_te=use_te, vp_stage=vp_stage), **kwargs)
 
 
 def check_precision(config: Any) -> None:
