@@ -18,20 +18,21 @@ Sections (each runs independently; a failure is recorded and the next section ru
   on the tiny model, 20 steps on fixed batches in fp32, bf16 and bf16 with bf16 tables: every
   parameter's dtype, the residual stream's dtype, float32 main parameters and masters, losses
   within 3% of fp32.
-- ``prefetch``: training fed by ``HashPrefetchIterator`` (hashing on a CPU thread, one
-  micro-batch ahead) from pinned host batches copied with ``non_blocking=True`` must give the
-  losses of inline hashing from pageable memory (to 1e-6, deterministic algorithms; nothing
-  races with the copies). The project has no side-stream lookup prefetch yet: the lookups run
-  on the compute stream.
+- ``prefetch``: everything overlapped (hashing a step ahead on a CPU thread, pinned batches
+  copied with ``non_blocking=True``, ``engram_prefetch``: every Engram lookup of a chunk issued
+  at its start, rows exchanged by async NCCL all-to-all and waited where the layer runs) must
+  give the losses of the serial path (inline hashing, pageable batches, no lookup prefetch), to
+  1e-6 with deterministic algorithms: nothing reads rows, ids or batches before they are ready.
 - ``offload``: ``benchmarks/gpu_offload_check.py``'s checks of the Engram optimizer-state
   offload (pinned host masters and buffers, GPU memory, equality with no offload).
 - ``throughput``: tokens/s of the ``deepseek_v3_small`` backbone in bf16 with and without
   Engram (same backbone, batch and data), and peak GPU memory.
 
-Writes JSON (``--out``, rank 0; every rank prints its own line); exits 1 if a section failed
-(``--strict``: also if one was skipped, e.g. Transformer Engine missing). ``--allow-cpu`` runs
-the sections that can run without CUDA on the CPU (gloo), with ``--quick`` sizes: the test
-suite does that to keep this script working.
+Writes JSON (``--out``, rank 0, after every section; every rank prints its own line); exits 1
+if a section failed (``--strict``: also if one was skipped, e.g. Transformer Engine missing),
+3 if ``--time-limit`` (480 s) passed first (the report then names the section that was
+running). ``--allow-cpu`` runs the sections that can run without CUDA on the CPU (gloo), with
+``--quick`` sizes: the test suite does that to keep this script working.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import json
 import os
 import statistics
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -146,13 +148,13 @@ def synthetic_batches(count: int, micro: int, seq: int, vocab: int, seed: int) -
 
 
 def with_hash_ids(config, batches: list[dict]) -> list[dict]:
+    """The data path's ``[L, B, S, K]`` hash id block added to every micro-batch."""
     if not config.use_engram:
         return batches
     from engram_train.engram.hashing import NgramHashMapping
 
     mapping = NgramHashMapping(config)
-    return [dict(b, engram_hash_ids={k: torch.as_tensor(v).contiguous()
-                                     for k, v in mapping.hash(b["tokens"]).items()})
+    return [dict(b, engram_hash_ids=torch.as_tensor(mapping.hash_stacked(b["tokens"])))
             for b in batches]
 
 
@@ -411,21 +413,26 @@ def prefetch(ctx: Context) -> dict:
 
     steps, micro_batches = (3, 2) if ctx.quick else (8, 4)
     out = {}
-    for mode in ("inline_pageable", "prefetch_pinned"):
+    # serial: inline hashing, pageable batches, each lookup issued where its layer runs;
+    # overlapped: hashing a step ahead on a thread, pinned batches (truly async copies), every
+    # lookup of a chunk issued at the chunk's start (engram_prefetch: async NCCL all-to-all)
+    for mode, overlapped in (("serial", False), ("overlapped", True)):
         cfg, config = trainer_config(ctx, [
             "model=deepseek_v3_tiny", "system.precision=bf16" if ctx.cuda else "system.precision=fp32",
+            f"model.engram_prefetch={overlapped}",
             f"model.engram_embedding_parallel_size={ctx.world}", f"train.seq_length={SEQ_TINY}"])
         torch.manual_seed(5)
         model, optimizer = build_trainer_parts(cfg, config)
         raw = synthetic_batches(steps * micro_batches, 2, SEQ_TINY, 4000, seed=40 + ctx.rank)
-        if mode == "prefetch_pinned" and ctx.cuda:
+        if overlapped and ctx.cuda:
             raw = [{k: v.pin_memory() for k, v in b.items()} for b in raw]
-        hash_fn = NgramHashMapping(config).hash
+        hash_fn = NgramHashMapping(config).hash_stacked
         losses = []
         deterministic = torch.are_deterministic_algorithms_enabled()
         torch.use_deterministic_algorithms(True, warn_only=True)  # CUDA index_add etc.
         try:
-            with HashPrefetchIterator(raw, hash_fn, prefetch=mode == "prefetch_pinned") as it:
+            with HashPrefetchIterator(raw, hash_fn, prefetch=overlapped,
+                                      depth=micro_batches) as it:
                 for _ in range(steps):
                     mbs = [next(it) for _ in range(micro_batches)]
                     losses.append(train_step(model, optimizer, mbs, SEQ_TINY, 2).lm_loss)
@@ -433,13 +440,11 @@ def prefetch(ctx: Context) -> dict:
         finally:
             torch.use_deterministic_algorithms(deterministic)
         out[mode] = losses
-    pairs = list(zip(out["inline_pageable"], out["prefetch_pinned"]))
+    pairs = list(zip(out["serial"], out["overlapped"]))
     out["bitwise"] = all(a == b for a, b in pairs)
-    # A race (a copy or a hash read before it is complete) gives wrong numbers, not 1e-7.
+    # A race (rows, a copy or a hash read before they are complete) gives wrong numbers, not 1e-7.
     check(all(a is None or abs(a - b) <= 1e-6 * abs(a) for a, b in pairs),
-          f"prefetch changed the losses: {out['inline_pageable']} vs {out['prefetch_pinned']}")
-    out["side_streams"] = ("none: the lookup runs on the compute stream; the prefetch is a CPU "
-                           "hashing thread and non_blocking host-to-device copies")
+          f"prefetch changed the losses: {out['serial']} vs {out['overlapped']}")
     return out
 
 
@@ -469,7 +474,7 @@ def throughput(ctx: Context) -> dict:
         torch.manual_seed(5)
         model, optimizer = build_trainer_parts(cfg, config)
         raw = synthetic_batches(warmup + timed, micro, seq, 4000, seed=60 + ctx.rank)
-        hash_fn = NgramHashMapping(config).hash if engram else None
+        hash_fn = NgramHashMapping(config).hash_stacked if engram else None
         source = HashPrefetchIterator(raw, hash_fn) if engram else iter(raw)
         if ctx.cuda:
             torch.cuda.reset_peak_memory_stats()
@@ -509,12 +514,12 @@ SECTIONS = [
     Section("bf16_training", "bf16 training with Float16Module, float32 main params, bf16 and "
             "fp32 tables: dtypes, residual stream, losses vs fp32", needs_cuda=False,
             budget_s=90, run=bf16_training),
-    Section("prefetch", "hash prefetch thread + pinned non_blocking copies vs inline hashing: "
-            "equal losses", needs_cuda=False, budget_s=60, run=prefetch),
+    Section("prefetch", "lookup prefetch (async all-to-all) + hash thread + pinned non_blocking "
+            "copies vs the serial path: equal losses", needs_cuda=False, budget_s=60, run=prefetch),
     Section("offload", "Engram optimizer-state offload: pinned host states, GPU memory, equality "
             "(benchmarks/gpu_offload_check.py)", needs_cuda=True, budget_s=90, run=offload),
     Section("throughput", "tokens/s with vs without Engram (deepseek_v3_small, bf16)",
-            needs_cuda=False, budget_s=120, run=throughput),
+            needs_cuda=False, budget_s=115, run=throughput),
 ]
 
 
@@ -536,6 +541,16 @@ def plan(world: int, cuda: bool, allow_cpu: bool, only: set[str] | None) -> list
     return rows
 
 
+def _time_out(report: dict, rank: int, out: str | None, started: float) -> None:
+    """Past --time-limit (a hung collective, a slow machine): keep what was measured."""
+    report.update(ok=False, timed_out_in=report.get("running"),
+                  seconds=round(time.perf_counter() - started, 1))
+    if rank == 0 and out:
+        Path(out).write_text(json.dumps(report, indent=1, default=str))
+    print(json.dumps(dict(rank=rank, ok=False, timed_out_in=report.get("running"))), flush=True)
+    os._exit(3)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="engram_train GPU check")
     parser.add_argument("--out", default=None, help="JSON results (rank 0 writes it)")
@@ -545,6 +560,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="run the sections that work without CUDA on the CPU (gloo)")
     parser.add_argument("--quick", action="store_true", help="small sizes (CPU runs)")
     parser.add_argument("--strict", action="store_true", help="a skipped section fails too")
+    parser.add_argument("--time-limit", type=float, default=480.0,
+                        help="seconds; past it the partial report is written and the run exits 3")
     args = parser.parse_args(argv)
     only = set(args.only.split(",")) if args.only else None
     unknown = (only or set()) - {s.name for s in SECTIONS}
@@ -570,7 +587,11 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     ctx = Context(device=device, world=world, rank=rank, quick=args.quick)
     report = dict(world=world, cuda=cuda, sections={})
+    watchdog = threading.Timer(args.time_limit, _time_out, (report, rank, args.out, started))
+    watchdog.daemon = True
+    watchdog.start()
     for row, section in zip(rows, SECTIONS):
+        report["running"] = section.name
         if not row["runs"]:
             report["sections"][section.name] = dict(status="skipped", reason=row["skip_reason"])
             continue
@@ -586,6 +607,8 @@ def main(argv: list[str] | None = None) -> int:
                               seconds=result["seconds"], error=result.get("error"))), flush=True)
         if rank == 0 and args.out:
             Path(args.out).write_text(json.dumps(report, indent=1, default=str))
+    watchdog.cancel()
+    report.pop("running", None)
     statuses = [s["status"] for s in report["sections"].values()]
     report["ok"] = "failed" not in statuses and (not args.strict or "skipped" not in statuses)
     report["seconds"] = round(time.perf_counter() - started, 1)

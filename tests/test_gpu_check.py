@@ -105,3 +105,13 @@ def test_te_name_mapping():
         == "decoder.layers.2.self_attention.q_layernorm.weight"
     assert gpu_check.local_name("decoder.layers.1.mlp.shared_experts.linear_fc1.weight") == \
         "decoder.layers.1.mlp.shared_experts.linear_fc1.weight"
+
+
+def test_time_limit_keeps_the_partial_report(tmp_path):
+    out = tmp_path / "partial.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--allow-cpu", "--quick", "--only",
+                           "environment,bf16_training", "--time-limit", "1", "--out", str(out)],
+                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 3, proc.stdout[-2000:] + proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["ok"] is False and report["timed_out_in"] in ("environment", "bf16_training")
