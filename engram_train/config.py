@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 EMBEDDING_PARALLEL_METHODS = ("alltoall", "allreduce")
 TABLE_OPTIMIZERS = ("sparse_adam", "adam")
+ENGRAM_TABLE_DTYPES = ("fp32", "bf16")
 
 _BOOL_FIELDS = (
     "use_engram",
@@ -107,6 +108,11 @@ class EngramConfig:
     engram_init_std: float = 0.02
     """Std of the normal init of Engram tables and projections."""
 
+    engram_table_dtype: str = "fp32"
+    """Storage dtype of the Engram tables: 'fp32' or 'bf16' (the optimizer keeps float32
+    master rows for bf16 tables). The Engram projections, norms and conv follow the model's
+    `params_dtype`."""
+
     def __post_init__(self) -> None:
         self._check_engram_types()
         if self.use_engram:
@@ -186,6 +192,12 @@ class EngramConfig:
             raise TypeError(
                 f"engram_optimizer must be a string, one of {TABLE_OPTIMIZERS}, "
                 f"got {self.engram_optimizer!r}."
+            )
+        if self.engram_table_dtype not in ENGRAM_TABLE_DTYPES:
+            raise ValueError(
+                f"engram_table_dtype={self.engram_table_dtype!r} must be one of "
+                f"{ENGRAM_TABLE_DTYPES}: fp32 (default) or bf16 tables with float32 optimizer "
+                "masters; fp16 tables are not supported."
             )
         if not isinstance(self.engram_embedding_parallel_method, str):
             raise TypeError(

@@ -19,6 +19,17 @@ from engram_train.engram.hashing import engram_head_vocab_sizes
 GATE_NORM_EPS = torch.finfo(torch.float32).eps  # key/query RMSNorms, as the reference
 CONV_NORM_EPS = 1e-5  # ShortConv's RMSNorms
 GATE_SCORE_FLOOR = 1e-6
+TABLE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def engram_table_dtype(config) -> torch.dtype:
+    """torch dtype of the Engram tables named by ``config.engram_table_dtype`` (default fp32)."""
+    name = getattr(config, "engram_table_dtype", "fp32")
+    if name not in TABLE_DTYPES:
+        raise ValueError(
+            f"engram_table_dtype={name!r} must be one of {sorted(TABLE_DTYPES)}"
+        )
+    return TABLE_DTYPES[name]
 
 
 class ShortConv(nn.Module):
@@ -57,6 +68,13 @@ class Engram(nn.Module):
     rows this rank holds (default: all); `embedding_parallel` (a method object from
     `engram_train.parallel`) instead picks them and shards the lookup. The conv starts at zero
     (paper recipe) unless `zero_init_conv=False`.
+
+    Dtypes: `dtype` is the dtype of the projections, norms and conv (the model's
+    `params_dtype`: with bf16 they run in bf16 and keep the residual stream bf16). The table
+    (`multi_head_embedding.weight`) is stored in `table_dtype`; it defaults to `dtype` when that
+    is given (one dtype for the whole module), else to `config.engram_table_dtype`. The
+    looked-up rows are cast to `dtype` before the projections. The Engram layer of the model
+    passes both (`params_dtype` and `engram_table_dtype`).
     """
 
     def __init__(
@@ -71,8 +89,11 @@ class Engram(nn.Module):
         zero_init_conv: bool = True,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        table_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
+        if table_dtype is None:
+            table_dtype = dtype if dtype is not None else engram_table_dtype(config)
         layer_ids = list(config.engram_layer_ids)
         if layer_id not in layer_ids:
             raise ValueError(
@@ -107,7 +128,8 @@ class Engram(nn.Module):
             row_start=row_start,
             row_end=row_end,
             parallel=embedding_parallel,
-            **factory,
+            device=device,
+            dtype=table_dtype,
         )
         d, e, g = self.hidden_size, self.memory_dim, self.hc_mult
         self.value_proj = nn.Linear(e, d, **factory)

@@ -1,19 +1,30 @@
-"""Build the model chunks of this rank: one per virtual pipeline stage, wrapped in megatron DDP.
+"""Build the model chunks of this rank: one per virtual pipeline stage, wrapped as Megatron-LM's
+``get_model`` wraps them (``Float16Module`` under bf16, then megatron DDP).
 
 ``build_gpt_model`` picks the Engram model when ``config.use_engram`` is set and megatron's
 own ``GPTModel`` otherwise, so ``use_engram: false`` is exactly the plain backbone.
 Engram tables are left out of megatron DDP (its data-parallel averaging is the wrong reduction
 for a row shard): ``EngramTableOptimizer`` reduces them (``training/engram_optimizer.py``).
+
+Mixed precision (``config.bf16``): every parameter is built in ``params_dtype`` (bf16), the
+Engram projections included, except the Engram tables, which keep ``engram_table_dtype``.
+megatron's ``Float16Module`` then casts the chunk's floating tensors to bf16 and the last
+stage's output to float32; the tables are held out of that cast. megatron's optimizer keeps
+float32 main parameters for the backbone (``OptimizerConfig(bf16=True)``), the table optimizer
+float32 master rows for bf16 tables. fp16 with Engram is rejected: the table optimizer has no
+loss-scaler path (an inf in a table gradient would not skip the step).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.module import Float16Module
 
 from engram_train.models.specs import deepseek_v3_block_spec
 
@@ -23,8 +34,10 @@ def build_gpt_model(
     vocab_size: int,
     max_sequence_length: int,
     vp_stage: int | None = None,
+    use_te: bool | None = None,
 ) -> torch.nn.Module:
-    """One model chunk for this pipeline rank (and virtual stage)."""
+    """One model chunk for this pipeline rank (and virtual stage). ``use_te``: Transformer
+    Engine spec or the local spec (default: TE when CUDA and TE are present)."""
     pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
     post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
     kwargs = dict(
@@ -40,8 +53,48 @@ def build_gpt_model(
         from engram_train.models.engram_gpt import EngramGPTModel
         from engram_train.models.engram_specs import engram_block_spec
 
-        return EngramGPTModel(config, engram_block_spec(config, vp_stage=vp_stage), **kwargs)
-    return GPTModel(config, deepseek_v3_block_spec(config, vp_stage=vp_stage), **kwargs)
+        spec = engram_block_spec(config, use_te=use_te, vp_stage=vp_stage)
+        return EngramGPTModel(config, spec, **kwargs)
+    return GPTModel(config, deepseek_v3_block_spec(config, use_te=use_te, vp_stage=vp_stage), **kwargs)
+
+
+def check_precision(config: Any) -> None:
+    """Precision combinations the model cannot honour, rejected before anything is built."""
+    if getattr(config, "fp16", False) and getattr(config, "use_engram", False):
+        raise ValueError(
+            "fp16 with Engram is not supported: the Engram table optimizer has no loss-scaling "
+            "path (an overflow in a table gradient would not skip the step). Use bf16 "
+            "(system.precision: bf16) or fp32."
+        )
+
+
+@contextlib.contextmanager
+def _engram_tables_held_out(chunks: list[torch.nn.Module]) -> Iterator[None]:
+    """Float16Module casts every floating parameter of its module; the Engram tables keep their
+    own dtype (``engram_table_dtype``). They are taken out of their modules' parameter dicts
+    for the cast (no copy, no round trip through bf16) and put back unchanged."""
+    held = []
+    for chunk in chunks:
+        for module in chunk.modules():
+            for name, param in list(module._parameters.items()):
+                if param is not None and getattr(param, "is_engram_table", False):
+                    held.append((module, name, param))
+                    module._parameters[name] = None
+    try:
+        yield
+    finally:
+        for module, name, param in held:
+            module._parameters[name] = param
+
+
+def wrap_mixed_precision(config: Any, chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """``Float16Module`` around each chunk when ``config.bf16`` (as Megatron-LM's get_model);
+    the chunks unchanged in fp32."""
+    check_precision(config)
+    if not (config.bf16 or config.fp16):
+        return chunks
+    with _engram_tables_held_out(chunks):
+        return [Float16Module(config, chunk) for chunk in chunks]
 
 
 def build_model(
@@ -51,12 +104,15 @@ def build_model(
     ddp_config: DistributedDataParallelConfig | None = None,
     wrap_with_ddp: bool = True,
 ) -> list[torch.nn.Module]:
-    """All model chunks of this rank, each wrapped in megatron DDP (unless told not to)."""
+    """All model chunks of this rank: under bf16 each in a ``Float16Module``, then each in
+    megatron DDP (unless ``wrap_with_ddp=False``)."""
+    check_precision(config)
     vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     stages = list(range(vpp)) if vpp else [None]
     chunks = [build_gpt_model(config, vocab_size, max_sequence_length, vp_stage=s) for s in stages]
     if torch.cuda.is_available():
         chunks = [c.cuda(torch.cuda.current_device()) for c in chunks]
+    chunks = wrap_mixed_precision(config, chunks)
     if not wrap_with_ddp:
         return chunks
     ddp_config = ddp_config or DistributedDataParallelConfig(grad_reduce_in_fp32=True)

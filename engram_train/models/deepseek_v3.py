@@ -1,6 +1,7 @@
-"""DeepSeek-V3-style backbone: MLA attention, MoE (routed + shared experts, first-k dense),
-RMSNorm, RoPE, SwiGLU. Presets are plain dicts of megatron config fields so a YAML file can
-hold them and a user can override any field.
+"""DeepSeek-V3-style backbone: MLA attention (with RMSNorm on the compressed q and kv latents,
+DeepSeek-V3's ``q_a_layernorm``/``kv_a_layernorm``: megatron's ``qk_layernorm`` for MLA), MoE
+(routed + shared experts, first-k dense), RMSNorm, RoPE, SwiGLU. Presets are plain dicts of
+megatron config fields so a YAML file can hold them and a user can override any field.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from megatron.core.transformer import MLATransformerConfig
 # Fields that every DeepSeek-V3-style model shares; presets add sizes.
 DEEPSEEK_V3_COMMON: dict[str, Any] = dict(
     multi_latent_attention=True,
+    qk_layernorm=True,
     normalization="RMSNorm",
     layernorm_epsilon=1e-6,
     add_bias_linear=False,

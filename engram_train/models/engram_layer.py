@@ -9,6 +9,9 @@ ids); decoder-only GPT models leave that slot unused. The block is ``[L, B, S, K
 The Engram table is sharded by the model's embedding-parallel method
 (``engram_train.parallel.engram_embedding_parallel``: ``alltoall`` over the Engram
 embedding-parallel group, or ``allreduce`` over this layer's tensor-parallel group).
+Dtypes: the Engram projections, norms and conv are built in the config's ``params_dtype`` (so
+under bf16 the branch's output, and with it the residual stream, stays bf16); the table in
+``engram_table_dtype`` (fp32 by default, independent of the backbone's precision).
 Tracks megatron-core 0.16.1 (``TransformerLayer.forward(hidden_states, ..., context=...)``).
 """
 
@@ -25,6 +28,7 @@ from megatron.core.tensor_parallel.mappings import (
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
+from engram_train.engram.module import engram_table_dtype
 from engram_train.parallel.embedding import engram_embedding_parallel
 
 
@@ -56,6 +60,8 @@ class EngramTransformerLayer(TransformerLayer):
             hidden_size=config.hidden_size,
             layer_id=self.engram_layer_id,
             embedding_parallel=engram_embedding_parallel(config, tp_group=self.pg_collection.tp),
+            dtype=config.params_dtype,
+            table_dtype=engram_table_dtype(config),
         )
 
     def engram_branch(self, hidden_states: torch.Tensor, hash_ids: torch.Tensor,

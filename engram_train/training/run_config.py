@@ -14,6 +14,7 @@ from typing import Any, Mapping
 
 import torch
 
+from engram_train.config import ENGRAM_TABLE_DTYPES
 from engram_train.runtime.distributed import ParallelSizes
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -55,8 +56,10 @@ def data_parallel_size(cfg, world_size: int) -> int:
     return world_size // (p.tensor * p.pipeline * p.context)
 
 
-def validate_run_config(cfg, world_size: int) -> None:
-    """Every rule that can be checked before torch.distributed starts."""
+def validate_run_config(cfg, world_size: int, check_data: bool = True) -> None:
+    """Every rule that can be checked before torch.distributed starts. ``check_data=False``
+    skips the checks that read ``data.path`` and ``data.tokenizer`` (a layout checked on a
+    machine that does not hold the data)."""
     p = parallel_sizes(cfg)
     try:
         p.validate(world_size)
@@ -96,9 +99,7 @@ def validate_run_config(cfg, world_size: int) -> None:
                 f"({t.global_batch_size // (t.micro_batch_size * dp)}) must be a multiple of "
                 f"pipeline_model_parallel_size={p.pipeline}: raise train.global_batch_size"
             )
-    precision = cfg.system.precision
-    if precision not in PRECISIONS:
-        raise ConfigError(f"system.precision={precision!r} must be one of {sorted(PRECISIONS)}")
+    _check_precision(cfg)
     if cfg.system.recompute_granularity not in RECOMPUTE:
         raise ConfigError(
             f"system.recompute_granularity={cfg.system.recompute_granularity!r} must be null, selective or full"
@@ -120,7 +121,30 @@ def validate_run_config(cfg, world_size: int) -> None:
                 "model.engram_embedding_parallel_method=allreduce shards the tables over the "
                 f"tensor-parallel group: set model.engram_embedding_parallel_size: 1 (got {eps})"
             )
-    _check_data(cfg)
+    if check_data:
+        _check_data(cfg)
+
+
+def _check_precision(cfg) -> None:
+    """bf16 runs on CPU and GPU (megatron's Float16Module, float32 main parameters); fp16 only
+    without Engram (megatron's loss scaler does not cover the Engram table optimizer)."""
+    precision, m = cfg.system.precision, cfg.model
+    if precision not in PRECISIONS:
+        raise ConfigError(f"system.precision={precision!r} must be one of {sorted(PRECISIONS)}")
+    if not _get(m, "use_engram"):
+        return
+    if precision == "fp16":
+        raise ConfigError(
+            "system.precision=fp16 is not supported with model.use_engram=true: megatron's loss "
+            "scaler does not cover the Engram table gradients (an overflow there would not skip "
+            "the step). Use system.precision=bf16 (or fp32)"
+        )
+    table_dtype = _get(m, "engram_table_dtype", "fp32")
+    if table_dtype not in ENGRAM_TABLE_DTYPES:
+        raise ConfigError(
+            f"model.engram_table_dtype={table_dtype!r} must be one of {list(ENGRAM_TABLE_DTYPES)} "
+            "(bf16 tables keep float32 master rows in the Engram optimizer)"
+        )
 
 
 def _check_data(cfg) -> None:

@@ -1,0 +1,117 @@
+"""benchmarks/gpu_check.py on CPU: the plan (--dry-run), every section that can run without CUDA
+(gloo, 2 processes, small sizes), and the spec comparison against itself (exact)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from launch import REPO, free_port
+
+SCRIPT = REPO / "benchmarks" / "gpu_check.py"
+SECTIONS = ["environment", "te_spec", "nccl_embedding", "bf16_training", "prefetch", "offload",
+            "throughput"]
+
+
+def _env():
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+
+
+def test_dry_run_plan_fits_eight_minutes():
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run"], cwd=REPO, env=_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plan = json.loads(proc.stdout)
+    assert [s["section"] for s in plan["sections"]] == SECTIONS
+    assert plan["gpu_budget_s"] <= 8 * 60
+    skipped = {s["section"]: s["skip_reason"] for s in plan["sections"] if not s["runs"]}
+    assert skipped["te_spec"] == "needs CUDA" and "CUDA" in skipped["offload"]
+
+
+def test_unknown_section_is_an_error():
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--only", "tee_spec"],
+                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "unknown sections ['tee_spec']" in proc.stderr
+
+
+@pytest.fixture(scope="module")
+def cpu_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu_check") / "gpu_check.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+           f"--master-port={free_port()}", str(SCRIPT), "--allow-cpu", "--quick", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def test_cpu_sections_pass(cpu_run):
+    status = {name: s["status"] for name, s in cpu_run["sections"].items()}
+    assert status == {"environment": "ok", "te_spec": "skipped", "nccl_embedding": "ok",
+                      "bf16_training": "ok", "prefetch": "ok", "offload": "skipped",
+                      "throughput": "ok"}, cpu_run
+    assert cpu_run["ok"] is True
+
+
+def test_cpu_section_results(cpu_run):
+    s = cpu_run["sections"]
+    for method in ("alltoall", "allreduce"):  # sharded over 2 gloo ranks vs a full table
+        assert s["nccl_embedding"][method]["output_max_diff"] <= 1e-6
+        assert s["nccl_embedding"][method]["grad_max_diff"] <= 1e-6
+    assert s["nccl_embedding"]["backend"] == "gloo"
+    bf16 = s["bf16_training"]
+    assert bf16["bf16"]["stream"]["layer_out"] == ["torch.bfloat16"]
+    assert bf16["bf16_tables"]["final_rel_diff_vs_fp32"] < 0.03
+    assert s["prefetch"]["bitwise"] is True  # CPU: deterministic, so exactly equal
+    t = s["throughput"]
+    assert t["engram"]["tokens_per_s"] > 0 and t["no_engram"]["tokens_per_s"] > 0
+
+
+COMPARE = """
+import json, sys, torch
+sys.path.insert(0, "benchmarks")
+import gpu_check
+from engram_train.runtime import ParallelSizes, initialize_distributed
+initialize_distributed(ParallelSizes())
+ctx = gpu_check.Context(device=torch.device("cpu"), world=1, rank=0, quick=True)
+print("RESULT" + json.dumps(gpu_check.compare_specs(ctx, second_te=False)))
+"""
+
+
+def test_spec_comparison_of_a_spec_with_itself_is_exact():
+    """The TE-vs-local comparison (name mapping, weight copy, bf16 wrapping, gradients), run
+    local-vs-local: everything must agree bit for bit."""
+    proc = subprocess.run([sys.executable, "-c", COMPARE], cwd=REPO, env=_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.split("RESULT", 1)[1])
+    for precision in ("fp32", "bf16"):
+        r = result[precision]
+        assert r["loss_rel_diff"] == 0.0 and r["grad_global_rel_err"] == 0.0, r
+        assert r["params"] > 50 and r["te_modules"] == []
+    assert result["bf16"]["loss_local"] != result["fp32"]["loss_local"]  # bf16 really ran
+
+
+def test_te_name_mapping():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import gpu_check
+
+    assert gpu_check.local_name("decoder.layers.0.mlp.linear_fc1.layer_norm_weight") == \
+        "decoder.layers.0.pre_mlp_layernorm.weight"
+    assert gpu_check.local_name("decoder.layers.2.self_attention.linear_q_up_proj.layer_norm_weight") \
+        == "decoder.layers.2.self_attention.q_layernorm.weight"
+    assert gpu_check.local_name("decoder.layers.1.mlp.shared_experts.linear_fc1.weight") == \
+        "decoder.layers.1.mlp.shared_experts.linear_fc1.weight"
+
+
+def test_time_limit_keeps_the_partial_report(tmp_path):
+    out = tmp_path / "partial.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--allow-cpu", "--quick", "--only",
+                           "environment,bf16_training", "--time-limit", "1", "--out", str(out)],
+                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 3, proc.stdout[-2000:] + proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["ok"] is False and report["timed_out_in"] in ("environment", "bf16_training")

@@ -1,0 +1,227 @@
+"""Every model preset and every trainer command in the README, the docs and the Makefile:
+
+- each command's run configuration validates for its layout (the world size it launches; no
+  process is started, data files under /data are not required), and its model config builds;
+- every preset appears in at least one such command (its stated layout);
+- each preset's model, built on the meta device, has the parameter counts of a closed-form
+  count from its fields (independent of megatron's modules), and docs/presets.md states them;
+- Engram-27B and its MoE-27B baseline match the paper's rounded figures and are iso-parameter.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from launch import REPO
+
+CONF = REPO / "conf"
+PRESETS = sorted(p.stem for p in (CONF / "model").glob("*.yaml"))
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+# The tokenizer of the paper's models (DeepSeek-V3's, 129,280 entries); the other presets count
+# with the configured data.tokenizer (the demo's 4,096).
+PAPER_VOCAB = 129_280
+VOCAB = {"engram_27b": PAPER_VOCAB, "moe_27b": PAPER_VOCAB}
+
+
+# -- commands ------------------------------------------------------------------------------------
+
+def shell_blocks(path: Path) -> list[str]:
+    """Commands of the ```bash blocks of a markdown file, continuation lines joined."""
+    text = path.read_text()
+    commands = []
+    for block in re.findall(r"```(?:bash|sh|shell)\n(.*?)```", text, flags=re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = line.split(" #")[0].strip()
+            if line and not line.startswith("#"):
+                commands.append(line)
+    return commands
+
+
+def makefile_demo() -> str:
+    recipe = re.search(r"^demo:.*\n\t(.+)$", (REPO / "Makefile").read_text(), flags=re.M).group(1)
+    return recipe.replace("$(VENV)/bin/", "")
+
+
+def parse(command: str) -> dict | None:
+    """A trainer (or param_count) command -> {world, overrides, mode}; None for other commands."""
+    words = shlex.split(command.replace("$", ""))
+    words = [w for w in words if not re.fullmatch(r"[A-Z_]+=\S*", w)]  # env assignments
+    if not words:
+        return None
+    if "engram_train.train" in words:
+        start, mode = words.index("engram_train.train") + 1, "train"
+    elif words[0] == "engram-train":
+        start, mode = 1, "train"
+    elif "engram_train.models.param_count" in words:
+        start, mode = words.index("engram_train.models.param_count") + 1, "count"
+    else:
+        return None
+    options = {}
+    for i, w in enumerate(words):
+        if w.startswith("--") and "=" in w:
+            options[w[2:].split("=")[0]] = w.split("=", 1)[1]
+        elif w.startswith("--") and i + 1 < len(words):
+            options[w[2:]] = words[i + 1]
+    if "--cfg" in words:
+        mode = "print"
+    world = int(options.get("nproc-per-node", 1)) * int(options.get("nnodes", 1))
+    if mode == "count":
+        world = int(options.get("world-size", 1))
+    overrides = [w for w in words[start:] if "=" in w and not w.startswith("-")]
+    return dict(command=command, world=world, overrides=overrides, mode=mode)
+
+
+def all_commands() -> list[dict]:
+    found = [makefile_demo()] + [c for doc in DOCS for c in shell_blocks(doc)]
+    return [p for p in map(parse, found) if p is not None]
+
+
+COMMANDS = all_commands()
+
+
+def _cfg(overrides):
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        return compose(config_name="train", overrides=list(overrides))
+
+
+def _model(command: dict) -> str:
+    chosen = [o.split("=", 1)[1] for o in command["overrides"] if o.startswith("model=")]
+    return chosen[-1] if chosen else "deepseek_v3_tiny"
+
+
+def test_commands_were_found():
+    worlds = {(c["mode"], c["world"]) for c in COMMANDS}
+    assert ("train", 2) in worlds and ("train", 8) in worlds and ("train", 64) in worlds, worlds
+    assert any(c["mode"] == "print" for c in COMMANDS)
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: c["command"][:90])
+def test_every_command_validates_for_its_layout(command):
+    from engram_train.training.run_config import build_transformer_config, validate_run_config
+
+    cfg = _cfg(command["overrides"])
+    remote_data = any(o.startswith(("data.path=/", "data.tokenizer=/")) for o in command["overrides"])
+    if command["mode"] != "print":
+        validate_run_config(cfg, command["world"], check_data=not remote_data)
+    build_transformer_config(cfg)
+
+
+def test_every_preset_has_a_stated_layout():
+    stated = {_model(c) for c in COMMANDS if c["mode"] in ("train", "count") and c["world"] > 1}
+    assert set(PRESETS) <= stated, f"presets without a documented multi-process command: {set(PRESETS) - stated}"
+
+
+def test_engram_27b_commands_keep_the_papers_experts():
+    runs = [c for c in COMMANDS if c["mode"] == "train" and _model(c) == "engram_27b"]
+    assert runs
+    for command in runs:
+        cfg = _cfg(command["overrides"])
+        assert (cfg.model.num_moe_experts, cfg.model.moe_router_topk) == (55, 6)
+        assert command["world"] >= 8 * cfg.system.pipeline_model_parallel_size
+
+
+# -- parameter counts ----------------------------------------------------------------------------
+
+def closed_form(m, vocab: int) -> dict:
+    """Parameter counts from the preset's fields (MLA + RMSNorm + SwiGLU MoE, untied output)."""
+    from engram_train.engram.hashing import engram_head_vocab_sizes
+
+    d, h, L = m.hidden_size, m.num_attention_heads, m.num_layers
+    attention = (d * m.q_lora_rank + m.q_lora_rank  # q down + its norm
+                 + m.q_lora_rank * h * (m.qk_head_dim + m.qk_pos_emb_head_dim)
+                 + d * (m.kv_lora_rank + m.qk_pos_emb_head_dim) + m.kv_lora_rank
+                 + m.kv_lora_rank * h * (m.qk_head_dim + m.v_head_dim)
+                 + h * m.v_head_dim * d)
+    layer = attention + 2 * d  # input and pre-MLP norms
+    dense_mlp = 3 * d * m.ffn_hidden_size
+    expert = 3 * d * m.moe_ffn_hidden_size
+    moe_layers = L - m.first_k_dense_replace
+    moe = m.num_moe_experts * d + m.num_moe_experts * expert + 3 * d * m.moe_shared_expert_intermediate_size
+    tables = dense = 0
+    if m.use_engram:
+        n, heads, width = m.max_ngram_size, m.n_head_per_ngram, m.n_embed_per_ngram
+        primes = engram_head_vocab_sizes(list(m.engram_vocab_size), n, heads, list(m.engram_layer_ids))
+        tables = sum(p for layer_primes in primes.values() for order in layer_primes for p in order) \
+            * (width // heads)
+        e = (n - 1) * width
+        dense = len(m.engram_layer_ids) * (2 * (e * d + d) + 2 * d + d * m.engram_kernel_size + d)
+    total = (2 * vocab * d + d + L * layer + m.first_k_dense_replace * dense_mlp
+             + moe_layers * moe + tables + dense)
+    unrouted = moe_layers * (m.num_moe_experts - m.moe_router_topk) * expert
+    return dict(total=total, activated=total - vocab * d - tables - unrouted,
+                engram_tables=tables, engram_dense=dense)
+
+
+COUNT_SCRIPT = """
+import json, os, sys
+from engram_train.models.param_count import compose_config, run_config_counts
+from engram_train.runtime import ParallelSizes, destroy_distributed, initialize_distributed
+os.environ["WORLD_SIZE"], os.environ["RANK"] = "1", "0"
+initialize_distributed(ParallelSizes())
+out = {}
+for name, vocab in json.loads(sys.argv[1]).items():
+    cfg = compose_config([f"model={name}"])
+    out[name] = run_config_counts(cfg, None, vocab)
+destroy_distributed()
+print("COUNTS" + json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def counts():
+    """Every preset built on the meta device, in one process (single-rank parallel state)."""
+    wanted = {name: VOCAB.get(name) for name in PRESETS}
+    proc = subprocess.run([sys.executable, "-c", COUNT_SCRIPT, json.dumps(wanted)], cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.split("COUNTS", 1)[1])
+    for name, c in result.items():
+        print(f"{name}: total {c['total']:,} activated {c['activated']:,} "
+              f"engram tables {c['engram_tables']:,} (vocab {c['vocab_size']:,})")
+    return result
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_meta_counts_equal_the_closed_form(counts, preset):
+    c = counts[preset]
+    want = closed_form(_cfg([f"model={preset}"]).model, c["vocab_size"])
+    for key, value in want.items():
+        assert c[key] == value, (preset, key, c[key], value)
+
+
+def test_paper_figures(counts):
+    """Engram-27B vs MoE-27B as the paper gives them (rounded to 0.1B): 26.7B total, 3.8B
+    activated; Engram-27B's Engram parameters ~5.7B; both models iso-parameter."""
+    engram, moe = counts["engram_27b"], counts["moe_27b"]
+    assert round(moe["total"] / 1e9, 1) == 26.7 and round(engram["total"] / 1e9, 1) == 26.7
+    assert round(moe["activated"] / 1e9, 1) == 3.8
+    assert abs(engram["total"] - moe["total"]) / moe["total"] < 1e-3
+    assert abs(engram["engram_tables"] + engram["engram_dense"] - 5.7e9) / 5.7e9 < 0.03
+    assert moe["engram_tables"] == 0
+
+
+def _doc_table() -> dict[str, dict[str, int]]:
+    """The counts table of docs/presets.md: | `preset` | total | activated | tables | ... |"""
+    rows = {}
+    for line in (REPO / "docs" / "presets.md").read_text().splitlines():
+        m = re.match(r"\|\s*`(\w+)`\s*\|\s*([\d,]+)\s*\|\s*([\d,]+)\s*\|\s*([\d,]+)\s*\|\s*([\d,]+)\s*\|", line)
+        if m:
+            rows[m.group(1)] = dict(zip(("total", "activated", "engram_tables", "engram_dense"),
+                                        (int(g.replace(",", "")) for g in m.groups()[1:])))
+    return rows
+
+
+def test_docs_state_the_counts(counts):
+    table = _doc_table()
+    assert sorted(table) == PRESETS
+    for preset, row in table.items():
+        for key, value in row.items():
+            assert counts[preset][key] == value, (preset, key)
