@@ -232,7 +232,7 @@ class EngramMemory:
         pin = self.device.type == "cuda"
         memory = {}
         for layer_id, hash_ids in self.hash(state, token_ids).items():
-            if layer_id not in self.layers:
+            if str(layer_id) not in self.layers:
                 continue
             rows = self.lookup(layer_id, hash_ids)
             memory[layer_id] = (rows.pin_memory() if pin else rows).to(self.device,
