@@ -39,7 +39,7 @@ from engram_train.engram.tokenizer import CompressedTokenizer
 from engram_train.export import ExportError, ExportFormatError, export_checkpoint, main
 from engram_train.export.checkpoint_reader import DistCheckpointReader
 from engram_train.export.format import TABLE, layer_tensor_names
-from engram_train.inference import EngramMemory, IncrementalNgramHasher
+from engram_train.inference import EngramMemory, IncrementalNgramHasher, megatron_state_dict
 
 TOKENIZER = REPO / "examples" / "data" / "tokenizer"
 DATA = REPO / "examples" / "data" / "demo_text_document"
@@ -208,7 +208,8 @@ def trained(tmp_path_factory):
     assert result == {"iteration": 2, "layers": LAYERS}
     return SimpleNamespace(root=root, exp=exp, ckpt=ckpt, single=single,
                            config=exp / "config.yaml",
-                           io=load_file(str(root / "io" / "engram_io.safetensors")))
+                           io=load_file(str(root / "io" / "engram_io.safetensors")),
+                           model_state=load_file(str(root / "io" / "model_state.safetensors")))
 
 
 @pytest.fixture(scope="module")
@@ -291,6 +292,15 @@ def test_export_holds_every_tensor_under_its_documented_name(exports, trained):
     for key in index["weight_map"]:
         assert torch.equal(backbone[key], reader.read(key)), key
     assert config["backbone"]["vocab_size"] == backbone["embedding.word_embeddings.weight"].shape[0]
+
+
+def test_export_is_the_whole_single_rank_model(exports, trained):
+    """Every tensor of the model as one rank holds it after loading the TP2 x PP2 x eps 2
+    checkpoint, under its state-dict name (the documented conversion), equal."""
+    state = megatron_state_dict(exports.sharded)
+    assert sorted(state) == sorted(trained.model_state)
+    for name, value in trained.model_state.items():
+        assert torch.equal(state[name], value), name
 
 
 def engram_config_of(run_config: Path):
@@ -521,7 +531,8 @@ def test_cli_errors_name_the_problem(trained, tmp_path):
     wrong.write_text(text.replace("  - 20011\n  - 20011", "  - 30011\n  - 30011"))
     message = _cli_error("--load", trained.ckpt, "--out", out, "--config", wrong)
     assert "engram_vocab_size" in message and "multi_head_embedding.embedding.weight" in message
-    wrong.write_text(text.replace("engram_layer_ids:\n  - 1\n  - 3", "engram_layer_ids:\n  - 1\n  - 2"))
+    wrong.write_text(text.replace("engram_layer_ids:\n  - 1\n  - 3",
+                                  "engram_layer_ids:\n  - 1\n  - 2"))
     assert "Engram layers [1, 3]" in _cli_error("--load", trained.ckpt, "--out", out,
                                                 "--config", wrong)
     moved = tmp_path / "moved.yaml"

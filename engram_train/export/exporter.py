@@ -24,9 +24,9 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
 import torch
 
 from engram_train.export.checkpoint_reader import (
@@ -41,6 +41,7 @@ from engram_train.export.format import (
     HASH_FILE,
     LOOKUP_TENSOR,
     OFFSETS,
+    TABLE,
     TOKENIZER_FILE,
     backbone_file,
     config_document,
@@ -53,6 +54,7 @@ from engram_train.export.safetensors_io import DTYPE_NAMES, SafetensorsWriter, T
 TABLE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULT_SHARD_BYTES = 5 * 2**30
 FILE_METADATA = {"format": "pt"}  # what Hugging Face loaders expect in __metadata__
+BACKBONE_NAMING = "megatron-core 0.16.1 dist-checkpoint keys, global (unsharded) shapes"
 
 
 class ExportError(ValueError):
@@ -260,37 +262,34 @@ def _shards(tensors: list[StoredTensor], max_bytes: int) -> list[list[StoredTens
     return [s for s in shards if s]
 
 
-def export_checkpoint(
-    load: str | os.PathLike,
-    out: str | os.PathLike,
-    *,
-    iteration: int | None = None,
-    config: str | os.PathLike | None = None,
-    tokenizer: str | os.PathLike | None = None,
-    force: bool = False,
-    table_dtype: str | None = None,
-    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-    log: Callable[[str], None] | None = None,
-) -> Path:
-    """Write the export of checkpoint `load` into `out`; returns `out`. See the module doc."""
+@dataclass
+class ExportPlan:
+    """What an export will hold, checked before anything is written."""
+
+    directory: Path                  # the iteration's checkpoint folder
+    iteration: int | None
+    reader: DistCheckpointReader
+    engram: Any                      # EngramConfig of the run
+    hidden_size: int
+    model: dict                      # the run config's model section
+    where: str                       # where the run config came from
+    tokenizer_file: Path
+    tokenizer: Any                   # CompressedTokenizer
+    mapping: Any                     # NgramHashMapping: primes, offsets, multipliers
+    layers: dict[int, dict[str, str]]  # {layer: {our name: checkpoint key}}
+    backbone: list[StoredTensor]
+
+
+def plan_export(load, *, iteration=None, config=None, tokenizer=None,
+                log: Callable[[str], None] = lambda _: None) -> ExportPlan:
+    """Locate the checkpoint and its run config, build the hash constants and check every
+    Engram tensor of the checkpoint against them (see `check_checkpoint`)."""
     from engram_train.engram.hashing import NgramHashMapping
-    from engram_train.engram.reference_io import reference_name
     from engram_train.engram.tokenizer import (
         CompressedTokenizer,
         TokenizerNotFoundError,
         resolve_tokenizer_file,
     )
-
-    log = log or (lambda message: print(f"engram-export: {message}", file=sys.stderr))
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise ExportError(f"--out {out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise ExportError(f"--out {out} is not empty; pass --force to replace it")
-    if table_dtype is not None and table_dtype not in TABLE_DTYPES:
-        raise ExportError(f"--table-dtype {table_dtype!r} must be one of {sorted(TABLE_DTYPES)}")
-    if max_shard_bytes < 1:
-        raise ExportError(f"--max-shard-size must be positive, got {max_shard_bytes}")
 
     root, directory, iteration = resolve_checkpoint(load, iteration)
     try:
@@ -304,10 +303,9 @@ def export_checkpoint(
     engram, hidden_size, model = engram_from_run_config(run_config, where)
     log(f"checkpoint {directory} (iteration {iteration}); run config: {where}")
 
-    tokenizer_path = tokenizer or engram.engram_tokenizer_name_or_path
     try:
         tokenizer_file = resolve_tokenizer_file(
-            tokenizer_path, field="--tokenizer",
+            tokenizer or engram.engram_tokenizer_name_or_path, field="--tokenizer",
             hint=f" (the run config names '{engram.engram_tokenizer_name_or_path}', relative to "
                  "the directory training ran in)")
     except TokenizerNotFoundError as err:
@@ -321,61 +319,96 @@ def export_checkpoint(
     layers = check_checkpoint(reader, engram, hidden_size, mapping, where)
     engram_keys = {key for keys in layers.values() for key in keys.values()}
     backbone = [reader.tensors[k] for k in reader.model_keys() if k not in engram_keys]
-    stored_table_dtype = reader.tensors[layers[engram.engram_layer_ids[0]][
-        "multi_head_embedding.weight"]].dtype
-    table_torch_dtype = TABLE_DTYPES[table_dtype] if table_dtype else stored_table_dtype
+    return ExportPlan(directory, iteration, reader, engram, hidden_size, model, where,
+                      tokenizer_file, compressed, mapping, layers, backbone)
 
+
+def write_export(plan: ExportPlan, folder: Path, *, table_dtype: torch.dtype | None = None,
+                 max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+                 log: Callable[[str], None] = lambda _: None) -> None:
+    """Write every file of the export into the existing, empty `folder`."""
+    from engram_train.engram.reference_io import PROJECT_TABLE, reference_name
+
+    reader, mapping = plan.reader, plan.mapping
+    # Hash constants as exact int64 tensors (JSON numbers above 2**53 lose digits elsewhere).
+    constants = {LOOKUP_TENSOR: torch.from_numpy(plan.tokenizer.lookup)}
+    for layer_id in mapping.layer_ids:
+        constants[multipliers_tensor(layer_id)] = torch.from_numpy(mapping.multipliers[layer_id])
+        constants[primes_tensor(layer_id)] = torch.from_numpy(mapping.primes[layer_id])
+    specs = [TensorSpec(name, t.dtype, tuple(t.shape)) for name, t in constants.items()]
+    with SafetensorsWriter(folder / HASH_FILE, specs, FILE_METADATA) as writer:
+        for name, value in constants.items():
+            writer.write(name, value)
+    shutil.copyfile(plan.tokenizer_file, folder / TOKENIZER_FILE)
+
+    first_table = reader.tensors[plan.layers[mapping.layer_ids[0]][PROJECT_TABLE]]
+    table_dtype = table_dtype or first_table.dtype
+    for layer_id in mapping.layer_ids:
+        sources = {reference_name(name): key for name, key in sorted(plan.layers[layer_id].items())}
+        _write_file(folder / layer_file(layer_id), reader, sources, {TABLE: table_dtype})
+        table = reader.tensors[sources[TABLE]]
+        log(f"layer {layer_id}: table {table.shape[0]} x {table.shape[1]} from "
+            f"{len(table.chunks)} stored shard(s) -> {layer_file(layer_id)}")
+
+    shards = _shards(plan.backbone, max_shard_bytes)
+    weight_map = {}
+    for index, shard in enumerate(shards, start=1):
+        name = backbone_file(index, len(shards))
+        _write_file(folder / name, reader, {t.key: t.key for t in shard})
+        weight_map.update({t.key: name for t in shard})
+    total = sum(t.nbytes for t in plan.backbone)
+    (folder / BACKBONE_INDEX).write_text(json.dumps(
+        {"metadata": {"total_size": total, "naming": BACKBONE_NAMING}, "weight_map": weight_map},
+        indent=1, sort_keys=True) + "\n")
+    log(f"backbone: {len(plan.backbone)} tensors, {total / 2**20:.1f} MiB in {len(shards)} "
+        "file(s)")
+
+    document = config_document(
+        engram=plan.engram, hidden_size=plan.hidden_size, tokenizer=plan.tokenizer,
+        hash_mapping=mapping, table_dtype=DTYPE_NAMES[table_dtype],
+        backbone={
+            "index": BACKBONE_INDEX,
+            "naming": BACKBONE_NAMING,
+            "num_tensors": len(plan.backbone),
+            "vocab_size": _vocab_size(reader),
+            "model": plan.model,
+        },
+        source={"checkpoint": str(plan.directory.resolve()), "iteration": plan.iteration},
+    )
+    (folder / CONFIG_FILE).write_text(_dumps(document) + "\n")
+
+
+def export_checkpoint(
+    load: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    iteration: int | None = None,
+    config: str | os.PathLike | None = None,
+    tokenizer: str | os.PathLike | None = None,
+    force: bool = False,
+    table_dtype: str | None = None,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    log: Callable[[str], None] | None = None,
+) -> Path:
+    """Write the export of checkpoint `load` into `out` (see the module docstring); returns
+    `out`. Nothing appears at `out` unless the whole export succeeded."""
+    log = log or (lambda message: print(f"engram-export: {message}", file=sys.stderr))
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"--out {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise ExportError(f"--out {out} is not empty; pass --force to replace it")
+    if table_dtype is not None and table_dtype not in TABLE_DTYPES:
+        raise ExportError(f"--table-dtype {table_dtype!r} must be one of {sorted(TABLE_DTYPES)}")
+    if max_shard_bytes < 1:
+        raise ExportError(f"--max-shard-size must be positive, got {max_shard_bytes}")
+
+    plan = plan_export(load, iteration=iteration, config=config, tokenizer=tokenizer, log=log)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
     try:
-        # Hash constants as exact int64 tensors (JSON numbers above 2**53 lose digits elsewhere).
-        hash_specs = {LOOKUP_TENSOR: torch.from_numpy(compressed.lookup)}
-        for layer_id in mapping.layer_ids:
-            hash_specs[multipliers_tensor(layer_id)] = torch.from_numpy(
-                mapping.multipliers[layer_id])
-            hash_specs[primes_tensor(layer_id)] = torch.from_numpy(mapping.primes[layer_id])
-        with SafetensorsWriter(tmp / HASH_FILE, [TensorSpec(n, t.dtype, tuple(t.shape))
-                                                 for n, t in hash_specs.items()],
-                               FILE_METADATA) as writer:
-            for name, value in hash_specs.items():
-                writer.write(name, value)
-        shutil.copyfile(tokenizer_file, tmp / TOKENIZER_FILE)
-
-        for layer_id in mapping.layer_ids:
-            sources = {reference_name(name): key for name, key in sorted(layers[layer_id].items())}
-            table = reference_name("multi_head_embedding.weight")
-            _write_file(tmp / layer_file(layer_id), reader, sources,
-                        {table: table_torch_dtype})
-            rows, dim = reader.tensors[sources[table]].shape
-            log(f"layer {layer_id}: table {rows} x {dim} "
-                f"({len(reader.tensors[sources[table]].chunks)} stored shards) -> "
-                f"{layer_file(layer_id)}")
-
-        shards = _shards(backbone, max_shard_bytes)
-        weight_map = {}
-        for index, shard in enumerate(shards, start=1):
-            name = backbone_file(index, len(shards))
-            _write_file(tmp / name, reader, {t.key: t.key for t in shard})
-            weight_map.update({t.key: name for t in shard})
-        total = sum(t.nbytes for t in backbone)
-        (tmp / BACKBONE_INDEX).write_text(json.dumps(
-            {"metadata": {"total_size": total, "naming": "megatron-core dist-checkpoint keys"},
-             "weight_map": weight_map}, indent=1, sort_keys=True) + "\n")
-        log(f"backbone: {len(backbone)} tensors, {total / 2**20:.1f} MiB in {len(shards)} file(s)")
-
-        document = config_document(
-            engram=engram, hidden_size=hidden_size, tokenizer=compressed, hash_mapping=mapping,
-            table_dtype=DTYPE_NAMES[table_torch_dtype],
-            backbone={
-                "index": BACKBONE_INDEX,
-                "naming": "megatron-core 0.16.1 dist-checkpoint keys, global (unsharded) shapes",
-                "num_tensors": len(backbone),
-                "vocab_size": _vocab_size(reader),
-                "model": model,
-            },
-            source={"checkpoint": str(directory.resolve()), "iteration": iteration},
-        )
-        (tmp / CONFIG_FILE).write_text(_dumps(document) + "\n")
+        write_export(plan, tmp, table_dtype=TABLE_DTYPES.get(table_dtype),
+                     max_shard_bytes=max_shard_bytes, log=log)
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp made it private
         _fsync_dir(tmp)
         _replace_dir(tmp, out)

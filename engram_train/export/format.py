@@ -22,6 +22,7 @@ import numpy as np
 
 from engram_train.engram.hashing import _LAYER_SEED_STRIDE as LAYER_SEED_STRIDE
 from engram_train.engram.module import CONV_NORM_EPS, GATE_NORM_EPS, GATE_SCORE_FLOOR
+from engram_train.engram.reference_io import OFFSETS, REFERENCE_TABLE
 
 FORMAT_NAME = "engram_train.inference_export"
 FORMAT_VERSION = 1
@@ -32,8 +33,7 @@ TOKENIZER_FILE = "tokenizer.json"
 BACKBONE_INDEX = "backbone.safetensors.index.json"
 
 LOOKUP_TENSOR = "compressed_lookup"
-TABLE = "multi_head_embedding.embedding.weight"  # the reference's name of the table
-OFFSETS = "multi_head_embedding.offsets"
+TABLE = REFERENCE_TABLE  # the reference's name of the table: [total rows, D]
 
 # An Engram parameter in the checkpoint: decoder.layers.<global layer>.engram.<our name>.
 ENGRAM_KEY = re.compile(r"^decoder\.layers\.(\d+)\.engram\.(.+)$")

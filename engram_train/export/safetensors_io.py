@@ -3,9 +3,9 @@
 The layout of a file (names, dtypes, shapes, byte ranges) depends only on its tensor specs, so
 it is fixed before any data is read: the writer lays the file out and the caller copies each
 checkpoint shard straight into its place through a map of just that block. Peak memory is one
-shard, whatever the size of the tensor. Tensors are ordered by element size (largest first), then name, and the
-data starts on a 64-byte boundary, so every tensor is aligned to its element size: readers can
-view it in place, as the safetensors library itself lays files out.
+shard, whatever the size of the tensor. Tensors are ordered by element size (largest first),
+then name, and the data starts on a 64-byte boundary, so every tensor is aligned to its element
+size: readers can view it in place (the safetensors library orders files the same way).
 
 Reading maps the file (`torch.from_file`, copy-on-write): a table of any size costs address
 space, and pages are read from the page cache only where rows are gathered.
@@ -87,7 +87,8 @@ def layout(specs: Iterable[TensorSpec], metadata: Mapping[str, str] | None = Non
     specs = list(specs)
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
-        raise ValueError(f"duplicate tensor names: {sorted({n for n in names if names.count(n) > 1})}")
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        raise ValueError(f"duplicate tensor names: {duplicates}")
     ordered = sorted(specs, key=lambda s: (-_itemsize(s.dtype), s.name))
     header: dict[str, object] = {}
     if metadata:

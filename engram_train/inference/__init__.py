@@ -2,9 +2,18 @@
 
 `EngramMemory` opens an export written by ``engram-export`` (tables memory-mapped, never read
 whole) and runs the three per-step stages a serving stack needs; docs/export.md shows the loop.
+`load_layer_state` and `megatron_state_dict` hand the export's tensors to other consumers.
 """
 
 from engram_train.inference.hashing import IncrementalNgramHasher
-from engram_train.inference.memory import EngramMemory, EngramState, load_layer_state
+from engram_train.inference.memory import EngramMemory, EngramState, gather_rows
+from engram_train.inference.weights import load_layer_state, megatron_state_dict
 
-__all__ = ["EngramMemory", "EngramState", "IncrementalNgramHasher", "load_layer_state"]
+__all__ = [
+    "EngramMemory",
+    "EngramState",
+    "IncrementalNgramHasher",
+    "gather_rows",
+    "load_layer_state",
+    "megatron_state_dict",
+]

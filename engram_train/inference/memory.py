@@ -18,7 +18,7 @@ the residual is the caller's: ``h = h + forward(...)``.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -219,12 +219,9 @@ class EngramMemory:
         """Rows for head-local `hash_ids` [..., K] from the mapped table -> memory [..., K*D]
         (host, the table's dtype). `out` (e.g. a pinned buffer) receives them if given."""
         table = self.tables[layer_id]
-        rows = (hash_ids + self.offsets[layer_id]).reshape(-1)
-        shape = (*hash_ids.shape[:-1], hash_ids.shape[-1] * table.shape[1])
-        if out is None:
-            return torch.index_select(table, 0, rows).view(shape)
-        torch.index_select(table, 0, rows, out=out.view(-1, table.shape[1]))
-        return out.view(shape)
+        rows = gather_rows(table, (hash_ids + self.offsets[layer_id]).reshape(-1),
+                           None if out is None else out.view(-1, table.shape[1]))
+        return rows.view(*hash_ids.shape[:-1], hash_ids.shape[-1] * table.shape[1])
 
     def prefetch(self, state: EngramState, token_ids) -> dict[int, torch.Tensor]:
         """Hash the new tokens and gather every layer's rows onto the device:
@@ -238,6 +235,14 @@ class EngramMemory:
             memory[layer_id] = (rows.pin_memory() if pin else rows).to(self.device,
                                                                        non_blocking=pin)
         return memory
+
+    def prefault(self) -> None:
+        """Touch every page of every table once (e.g. at server start): the first gathers
+        from a fresh map otherwise pay a page fault per page they touch."""
+        for table in self.tables.values():
+            flat = table.view(-1)
+            step = max(1, 4096 // table.element_size())
+            flat[::step].sum()
 
     # -- 3. dense part --------------------------------------------------------------------
 
@@ -284,12 +289,9 @@ class EngramMemory:
             )
 
 
-def load_layer_state(path: str | os.PathLike, layer_id: int) -> Mapping[str, torch.Tensor]:
-    """One layer's tensors under the reference's names, memory-mapped (the reference module's
-    ``load_state_dict`` accepts them as they are)."""
-    export = load_export_config(path)
-    if layer_id not in export.layers:
-        raise ValueError(f"layer {layer_id} is not an Engram layer of {path} "
-                         f"({list(export.layer_ids)})")
-    file = MappedSafetensors(Path(path) / export.layers[layer_id].file)
-    return {name: file.tensor(name) for name in file.keys()}
+def gather_rows(table: torch.Tensor, rows: torch.Tensor, out: torch.Tensor | None = None
+                ) -> torch.Tensor:
+    """table[rows] for a [R, D] table (memory-mapped or not) and int64 rows [n] -> [n, D]."""
+    if out is None:
+        return torch.index_select(table, 0, rows)
+    return torch.index_select(table, 0, rows, out=out)

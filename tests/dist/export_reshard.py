@@ -6,6 +6,7 @@ Written to --out:
   ``layer<L>.hidden`` (the Engram module's input, [S, B, d]), ``layer<L>.hash_ids`` ([S, B, K],
   what the model hashed) and ``layer<L>.output`` ([S, B, d], the module's output, residual not
   included);
+- ``model_state.safetensors``: the single-rank model's state dict (``_extra_state`` left out);
 - ``rank0.json``: the iteration loaded and the layer ids recorded.
 The single-rank checkpoint goes to --save (a checkpoint.save folder).
 """
@@ -20,7 +21,12 @@ from common import parse_args, write_result
 from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
-from engram_train.checkpointing import iteration_dir, latest_iteration, load_checkpoint, save_checkpoint
+from engram_train.checkpointing import (
+    iteration_dir,
+    latest_iteration,
+    load_checkpoint,
+    save_checkpoint,
+)
 from engram_train.engram.tokenizer import CompressedTokenizer
 from engram_train.export.checkpoint_reader import DistCheckpointReader
 from engram_train.models.builder import build_model
@@ -76,6 +82,10 @@ def main():
         chunk(ids, positions, None)
     records["input_ids"] = ids
     Path(args.out).mkdir(parents=True, exist_ok=True)
+    state = {name: value.detach().clone().contiguous()
+             for name, value in chunk.state_dict().items()
+             if isinstance(value, torch.Tensor) and "_extra_state" not in name}
+    save_file(state, str(Path(args.out) / "model_state.safetensors"))
     save_file({k: v.contiguous() for k, v in records.items()},
               str(Path(args.out) / "engram_io.safetensors"))
     write_result(args.out, {"iteration": loaded,
