@@ -572,6 +572,32 @@ def test_cli_writes_atomically_and_replaces_with_force(trained, tmp_path, monkey
         assert flag in help_text
 
 
+def test_run_config_sources_and_iteration_folders(trained, exports, tmp_path, monkeypatch):
+    from omegaconf import OmegaConf
+
+    # One iteration's folder as --load; --iteration must then agree with it.
+    iteration = trained.single / "iter_0000002"
+    out = export_checkpoint(iteration, tmp_path / "a", config=trained.config, log=lambda _: None)
+    assert json.loads((out / "engram_config.json").read_text())["source"]["iteration"] == 2
+    assert "does not match" in _cli_error("--load", iteration, "--out", tmp_path / "b",
+                                          "--iteration", "4", "--config", trained.config)
+    # A run config stored in the checkpoint's extra state needs no --config.
+    run_config = OmegaConf.to_container(OmegaConf.load(trained.config), resolve=True)
+    original = DistCheckpointReader.common_state
+
+    def with_run_config(self):
+        common = original(self)
+        common["extra"]["run_config"] = run_config
+        return common
+
+    monkeypatch.setattr(DistCheckpointReader, "common_state", with_run_config)
+    messages = []
+    out = export_checkpoint(trained.single, tmp_path / "c", log=messages.append)
+    assert "extra.run_config" in messages[0]
+    assert (out / "engram_layer1.safetensors").read_bytes() == (
+        exports.single / "engram_layer1.safetensors").read_bytes()
+
+
 def test_reader_refuses_unknown_format_versions(exports, tmp_path):
     out = tmp_path / "export"
     shutil.copytree(exports.sharded, out)
