@@ -329,7 +329,9 @@ def test_engram_memory_reproduces_the_trained_model(exports, trained):
         state = memory.new_state(batch)
         hash_ids = memory.hash(state, ids)[layer]
         assert torch.equal(hash_ids, recorded_hashes)
-        output = memory.forward(layer, hidden, memory.lookup(layer, hash_ids), state)
+        rows = memory.lookup(layer, hash_ids)
+        assert torch.equal(rows, _batch_first(io[f"layer{layer}.memory"]))
+        output = memory.forward(layer, hidden, rows, state)
         assert torch.equal(output, want)
 
         # Token by token: addresses bit-exact at every step; output to float32 round-off

@@ -4,8 +4,8 @@ saves it again as a single-rank checkpoint, and records what its Engram modules 
 Written to --out:
 - ``engram_io.safetensors``: the input ids [B, S] of one forward pass and, per Engram layer L,
   ``layer<L>.hidden`` (the Engram module's input, [S, B, d]), ``layer<L>.hash_ids`` ([S, B, K],
-  what the model hashed) and ``layer<L>.output`` ([S, B, d], the module's output, residual not
-  included);
+  what the model hashed), ``layer<L>.memory`` ([S, B, E], the rows it gathered) and
+  ``layer<L>.output`` ([S, B, d], the module's output, residual not included);
 - ``model_state.safetensors``: the single-rank model's state dict (``_extra_state`` left out);
 - ``rank0.json``: the iteration loaded and the layer ids recorded.
 The single-rank checkpoint goes to --save (a checkpoint.save folder).
@@ -64,16 +64,25 @@ def main():
 
     records = {}
 
-    def hook(module, inputs, kwargs, output):
+    def engram_hook(module, inputs, kwargs, output):
         layer = module.layer_id
+        memory = kwargs.get("memory")  # rows prefetched by the model, or looked up here
+        if memory is None:
+            memory = module.lookup(kwargs["hash_ids"])
         records[f"layer{layer}.hidden"] = inputs[0].detach().clone()
-        records[f"layer{layer}.hash_ids"] = kwargs["hash_ids"].detach().clone()
+        records[f"layer{layer}.memory"] = memory.detach().clone()
         records[f"layer{layer}.output"] = output.detach().clone()
 
+    def layer_hook(layer, args, kwargs):
+        block = kwargs["context"]  # [L, B, S, K]: the micro-batch's hash ids
+        records[f"layer{layer.engram_layer_id}.hash_ids"] = block[layer.engram_slot].transpose(
+            0, 1).clone()
+
     chunk = model[0].module
-    engrams = [layer.engram for layer in chunk.decoder.layers if hasattr(layer, "engram")]
-    for engram in engrams:
-        engram.register_forward_hook(hook, with_kwargs=True)
+    layers = [layer for layer in chunk.decoder.layers if hasattr(layer, "engram")]
+    for layer in layers:
+        layer.register_forward_pre_hook(layer_hook, with_kwargs=True)
+        layer.engram.register_forward_hook(engram_hook, with_kwargs=True)
     raw_ids = CompressedTokenizer(config.engram_tokenizer_name_or_path).num_raw_ids
     ids = input_ids(min(vocab, raw_ids), config.engram_pad_id)
     positions = torch.arange(SEQ).expand(BATCH, SEQ).contiguous()
@@ -89,7 +98,7 @@ def main():
     save_file({k: v.contiguous() for k, v in records.items()},
               str(Path(args.out) / "engram_io.safetensors"))
     write_result(args.out, {"iteration": loaded,
-                            "layers": sorted(engram.layer_id for engram in engrams)})
+                            "layers": sorted(layer.engram_layer_id for layer in layers)})
     destroy_distributed()
 
 
