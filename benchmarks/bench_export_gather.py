@@ -1,7 +1,7 @@
 """Rows/s gathered from a memory-mapped export table vs the memory-bandwidth bound.
 
 The table is a safetensors layer file written and mapped by the export code itself
-(`SafetensorsWriter`, `MappedSafetensors`), gathered with `engram_train.inference.gather_rows`
+(`SafetensorsWriter`, `MappedSafetensors`), gathered with `engram_train.inference.gather_table_rows`
 (what `EngramMemory.lookup` runs), at uniformly random rows (hash addresses are uniform).
 The bound is what a copy of the same bytes would take: rows/s = copy bandwidth / row bytes, with
 the copy bandwidth measured in the same run (a large contiguous `copy_`, same threads). Copies,
@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from engram_train.export.safetensors_io import MappedSafetensors, SafetensorsWriter, TensorSpec
-from engram_train.inference.memory import gather_rows
+from engram_train.inference.memory import gather_table_rows
 
 REPO = Path(__file__).resolve().parents[1]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -78,7 +78,7 @@ def main(argv=None) -> dict:
 
         # First gather on a fresh map: page faults on every touched page.
         first_rows = torch.randint(0, args.rows, (batches[-1],), generator=generator)
-        first_s = timed(lambda: gather_rows(table, first_rows))
+        first_s = timed(lambda: gather_table_rows(table, first_rows))
         flat = table.view(-1)
         flat[:: max(1, 4096 // table.element_size())].sum()  # prefault the rest
 
@@ -92,13 +92,13 @@ def main(argv=None) -> dict:
             row_sets = [torch.randint(0, args.rows, (batch,), generator=generator)
                         for _ in range(args.repeats)]
             out = torch.empty(batch, args.dim, dtype=dtype)
-            got = gather_rows(table, row_sets[0], out)
+            got = gather_table_rows(table, row_sets[0], out)
             assert torch.equal(got, in_ram[row_sets[0]]), "gather returned wrong rows"
             times = {"copy": [], "gather": [], "in_ram": [], "numpy_take": []}
             for rows in row_sets:  # interleaved: all candidates see the same machine load
                 times["copy"].append(timed(lambda: dst.copy_(src)))
-                times["gather"].append(timed(lambda: gather_rows(table, rows, out)))
-                times["in_ram"].append(timed(lambda: gather_rows(in_ram, rows, out)))
+                times["gather"].append(timed(lambda: gather_table_rows(table, rows, out)))
+                times["in_ram"].append(timed(lambda: gather_table_rows(in_ram, rows, out)))
                 rows_np = rows.numpy()
                 times["numpy_take"].append(timed(lambda: np.take(numpy_table, rows_np, axis=0)))
             median = {k: statistics.median(v) for k, v in times.items()}

@@ -6,14 +6,14 @@ whole) and runs the three per-step stages a serving stack needs; docs/export.md 
 """
 
 from engram_train.inference.hashing import IncrementalNgramHasher
-from engram_train.inference.memory import EngramMemory, EngramState, gather_rows
+from engram_train.inference.memory import EngramMemory, EngramState, gather_table_rows
 from engram_train.inference.weights import load_layer_state, megatron_state_dict
 
 __all__ = [
     "EngramMemory",
     "EngramState",
     "IncrementalNgramHasher",
-    "gather_rows",
+    "gather_table_rows",
     "load_layer_state",
     "megatron_state_dict",
 ]

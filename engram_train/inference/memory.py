@@ -219,7 +219,7 @@ class EngramMemory:
         """Rows for head-local `hash_ids` [..., K] from the mapped table -> memory [..., K*D]
         (host, the table's dtype). `out` (e.g. a pinned buffer) receives them if given."""
         table = self.tables[layer_id]
-        rows = gather_rows(table, (hash_ids + self.offsets[layer_id]).reshape(-1),
+        rows = gather_table_rows(table, (hash_ids + self.offsets[layer_id]).reshape(-1),
                            None if out is None else out.view(-1, table.shape[1]))
         return rows.view(*hash_ids.shape[:-1], hash_ids.shape[-1] * table.shape[1])
 
@@ -289,7 +289,7 @@ class EngramMemory:
             )
 
 
-def gather_rows(table: torch.Tensor, rows: torch.Tensor, out: torch.Tensor | None = None
+def gather_table_rows(table: torch.Tensor, rows: torch.Tensor, out: torch.Tensor | None = None
                 ) -> torch.Tensor:
     """table[rows] for a [R, D] table (memory-mapped or not) and int64 rows [n] -> [n, D]."""
     if out is None:
