@@ -1,8 +1,9 @@
 """Rows/s gathered from a memory-mapped export table vs the memory-bandwidth bound.
 
 The table is a safetensors layer file written and mapped by the export code itself
-(`SafetensorsWriter`, `MappedSafetensors`), gathered with `engram_train.inference.gather_table_rows`
-(what `EngramMemory.lookup` runs), at uniformly random rows (hash addresses are uniform).
+(`SafetensorsWriter`, `MappedSafetensors`), gathered with
+`engram_train.inference.gather_table_rows` (what `EngramMemory.lookup` runs), at uniformly
+random rows (hash addresses are uniform).
 The bound is what a copy of the same bytes would take: rows/s = copy bandwidth / row bytes, with
 the copy bandwidth measured in the same run (a large contiguous `copy_`, same threads). Copies,
 gathers from the map, gathers from an in-RAM copy of the table and numpy's `take` (a

@@ -289,8 +289,8 @@ class EngramMemory:
             )
 
 
-def gather_table_rows(table: torch.Tensor, rows: torch.Tensor, out: torch.Tensor | None = None
-                ) -> torch.Tensor:
+def gather_table_rows(table: torch.Tensor, rows: torch.Tensor,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
     """table[rows] for a [R, D] table (memory-mapped or not) and int64 rows [n] -> [n, D]."""
     if out is None:
         return torch.index_select(table, 0, rows)
