@@ -27,9 +27,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
 import torch
 
 from engram_train.export.checkpoint_reader import (
+    MEGATRON_METADATA,
     CheckpointFormatError,
     DistCheckpointReader,
     StoredTensor,
@@ -76,7 +78,7 @@ def resolve_checkpoint(load: str | os.PathLike, iteration: int | None = None
         raise ExportError(f"--load {load}: directory does not exist")
     if not root.is_dir():
         raise ExportError(f"--load {load}: not a directory (give the checkpoint.save folder)")
-    if (root / "metadata.json").is_file():  # an iteration directory
+    if (root / MEGATRON_METADATA).is_file():  # an iteration directory
         match = re.fullmatch(r"iter_(\d+)", root.name)
         found = int(match.group(1)) if match else None
         if iteration is not None and iteration != found:
