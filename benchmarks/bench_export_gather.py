@@ -6,9 +6,10 @@ The table is a safetensors layer file written and mapped by the export code itse
 random rows (hash addresses are uniform).
 The bound is what a copy of the same bytes would take: rows/s = copy bandwidth / row bytes, with
 the copy bandwidth measured in the same run (a large contiguous `copy_`, same threads). Copies,
-gathers from the map, gathers from an in-RAM copy of the table and numpy's `take` (a
-single-threaded reference) are interleaved so they share the machine's load; every repeat
-draws new rows; medians are reported. The first gather on a fresh map is reported separately:
+gathers from the map, gathers from an in-RAM copy of the table, and the two primitives the
+gather picks from by size (torch's multi-threaded `index_select`, numpy's single-threaded
+`take`) are interleaved so they share the machine's load; every repeat draws new rows; medians
+are reported. The first gather on a fresh map is reported separately:
 it pays a page fault per touched page (`EngramMemory.prefault` avoids that at start-up).
 
     python benchmarks/bench_export_gather.py [--rows 4194304 --dim 160 --dtype bf16]
@@ -95,11 +96,14 @@ def main(argv=None) -> dict:
             out = torch.empty(batch, args.dim, dtype=dtype)
             got = gather_table_rows(table, row_sets[0], out)
             assert torch.equal(got, in_ram[row_sets[0]]), "gather returned wrong rows"
-            times = {"copy": [], "gather": [], "in_ram": [], "numpy_take": []}
+            times = {"copy": [], "gather": [], "in_ram": [], "torch_index_select": [],
+                     "numpy_take": []}
             for rows in row_sets:  # interleaved: all candidates see the same machine load
                 times["copy"].append(timed(lambda: dst.copy_(src)))
                 times["gather"].append(timed(lambda: gather_table_rows(table, rows, out)))
                 times["in_ram"].append(timed(lambda: gather_table_rows(in_ram, rows, out)))
+                times["torch_index_select"].append(
+                    timed(lambda: torch.index_select(table, 0, rows, out=out)))
                 rows_np = rows.numpy()
                 times["numpy_take"].append(timed(lambda: np.take(numpy_table, rows_np, axis=0)))
             median = {k: statistics.median(v) for k, v in times.items()}
@@ -115,12 +119,14 @@ def main(argv=None) -> dict:
                 "bound_rows_per_s": bound,
                 "fraction_of_bound": rate / bound,
                 "in_ram_rows_per_s": batch / median["in_ram"],
+                "torch_index_select_rows_per_s": batch / median["torch_index_select"],
                 "numpy_take_rows_per_s": batch / median["numpy_take"],
             })
             print(f"{batch:>8} rows/gather: {rate / 1e6:7.2f} M rows/s "
                   f"({rate * row_bytes / 1e9:.2f} GB/s) | bound {bound / 1e6:7.2f} M rows/s "
                   f"(copy {copy_bw / 1e9:.2f} GB/s) | {100 * rate / bound:5.1f}% of bound | "
-                  f"in RAM {batch / median['in_ram'] / 1e6:.2f}, numpy take "
+                  f"in RAM {batch / median['in_ram'] / 1e6:.2f} | index_select "
+                  f"{batch / median['torch_index_select'] / 1e6:.2f}, take "
                   f"{batch / median['numpy_take'] / 1e6:.2f} M rows/s")
         print(f"first gather on a fresh map ({batches[-1]} rows): "
               f"{batches[-1] / first_s / 1e6:.2f} M rows/s")

@@ -289,9 +289,21 @@ class EngramMemory:
             )
 
 
+SMALL_GATHER_BYTES = 2 << 20
+"""Gathers up to this size run on the calling thread: waking torch's intra-op threads costs
+more than they save there (and much more on a busy host); larger ones use them."""
+
+_NUMPY_VIEW = {torch.bfloat16: torch.int16}  # numpy has no bfloat16: move the same bits
+
+
 def gather_table_rows(table: torch.Tensor, rows: torch.Tensor,
                       out: torch.Tensor | None = None) -> torch.Tensor:
-    """table[rows] for a [R, D] table (memory-mapped or not) and int64 rows [n] -> [n, D]."""
+    """table[rows] for a [R, D] host table (memory-mapped or not) and int64 rows [n] ->
+    [n, D], into `out` if given (e.g. a pinned buffer). Out-of-range rows raise."""
     if out is None:
-        return torch.index_select(table, 0, rows)
-    return torch.index_select(table, 0, rows, out=out)
+        out = torch.empty((rows.numel(), table.shape[1]), dtype=table.dtype)
+    if rows.numel() * table.shape[1] * table.element_size() > SMALL_GATHER_BYTES:
+        return torch.index_select(table, 0, rows, out=out)
+    view = _NUMPY_VIEW.get(table.dtype, table.dtype)
+    np.take(table.view(view).numpy(), rows.numpy(), axis=0, out=out.view(view).numpy())
+    return out
