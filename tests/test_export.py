@@ -446,6 +446,21 @@ def test_tables_stay_memory_mapped(exports):
             f"layer {layer}: the table is not a view of a map of {path}"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gather_table_rows_small_and_large(dtype):
+    from engram_train.inference.memory import SMALL_GATHER_BYTES, gather_table_rows
+
+    table = torch.randn(5000, 24).to(dtype)
+    row_bytes = 24 * table.element_size()
+    for n in (1, SMALL_GATHER_BYTES // row_bytes, SMALL_GATHER_BYTES // row_bytes + 1):
+        rows = torch.randint(0, 5000, (n,))
+        assert torch.equal(gather_table_rows(table, rows), table[rows])
+        out = torch.empty(n, 24, dtype=dtype)
+        assert gather_table_rows(table, rows, out) is out and torch.equal(out, table[rows])
+        with pytest.raises(IndexError):
+            gather_table_rows(table, torch.cat([rows, torch.tensor([5000])]))
+
+
 @pytest.mark.parametrize("reset_at_eos", [False, True])
 def test_incremental_hashing_equals_full_sequence(reset_at_eos, tmp_path):
     meta = load_meta(case_names()[0])

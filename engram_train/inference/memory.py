@@ -304,6 +304,10 @@ def gather_table_rows(table: torch.Tensor, rows: torch.Tensor,
         out = torch.empty((rows.numel(), table.shape[1]), dtype=table.dtype)
     if rows.numel() * table.shape[1] * table.element_size() > SMALL_GATHER_BYTES:
         return torch.index_select(table, 0, rows, out=out)
+    index = rows.numpy()
+    if index.size and (index.min() < 0 or index.max() >= table.shape[0]):
+        raise IndexError(f"rows outside the table's [0, {table.shape[0]})")
     view = _NUMPY_VIEW.get(table.dtype, table.dtype)
-    np.take(table.view(view).numpy(), rows.numpy(), axis=0, out=out.view(view).numpy())
+    # mode="clip" (the range is checked above) writes into `out` without a staging buffer
+    np.take(table.view(view).numpy(), index, axis=0, out=out.view(view).numpy(), mode="clip")
     return out
