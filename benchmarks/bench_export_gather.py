@@ -6,10 +6,11 @@ The table is a safetensors layer file written and mapped by the export code itse
 random rows (hash addresses are uniform).
 The bound is what a copy of the same bytes would take: rows/s = copy bandwidth / row bytes, with
 the copy bandwidth measured in the same run (a large contiguous `copy_`, same threads). Copies,
-gathers from the map, gathers from an in-RAM copy of the table, and the two primitives the
-gather picks from by size (torch's multi-threaded `index_select`, numpy's single-threaded
-`take`) are interleaved so they share the machine's load; every repeat draws new rows; medians
-are reported. The first gather on a fresh map is reported separately:
+gathers from the map (`EngramMemory` default), from a resident huge-page copy
+(`EngramMemory(tables="hugepages")`), and the two primitives the gather picks from by size
+(torch's multi-threaded `index_select`, numpy's single-threaded `take`, both on the map) are
+interleaved so they share the machine's load; every call draws new rows (rows read before sit
+in the CPU cache); medians are reported. The first gather on a fresh map is reported separately:
 it pays a page fault per touched page (`EngramMemory.prefault` avoids that at start-up).
 
     python benchmarks/bench_export_gather.py [--rows 4194304 --dim 160 --dtype bf16]
@@ -30,7 +31,7 @@ import numpy as np
 import torch
 
 from engram_train.export.safetensors_io import MappedSafetensors, SafetensorsWriter, TensorSpec
-from engram_train.inference.memory import gather_table_rows
+from engram_train.inference.memory import gather_table_rows, resident_table
 
 REPO = Path(__file__).resolve().parents[1]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -87,47 +88,48 @@ def main(argv=None) -> dict:
         src = torch.empty(args.copy_mib * 2**20, dtype=torch.uint8).fill_(1)
         dst = torch.empty_like(src)
         numpy_table = table.view(NUMPY_VIEW[dtype]).numpy()
-        in_ram = table.clone()  # the same rows in anonymous memory: what the map costs
+        resident, _buffer = resident_table(table)  # EngramMemory(tables="hugepages")
+        candidates = {
+            "gather": lambda rows, out: gather_table_rows(table, rows, out),
+            "hugepages": lambda rows, out: gather_table_rows(resident, rows, out),
+            "torch_index_select": lambda rows, out: torch.index_select(table, 0, rows, out=out),
+            "numpy_take": lambda rows, out: np.take(numpy_table, rows.numpy(), axis=0),
+        }
         results = []
         for batch in batches:
-            # A new set of rows every repeat: repeating one set would measure the CPU cache.
-            row_sets = [torch.randint(0, args.rows, (batch,), generator=generator)
-                        for _ in range(args.repeats)]
             out = torch.empty(batch, args.dim, dtype=dtype)
-            got = gather_table_rows(table, row_sets[0], out)
-            assert torch.equal(got, in_ram[row_sets[0]]), "gather returned wrong rows"
-            times = {"copy": [], "gather": [], "in_ram": [], "torch_index_select": [],
-                     "numpy_take": []}
-            for rows in row_sets:  # interleaved: all candidates see the same machine load
+            check = torch.randint(0, args.rows, (batch,), generator=generator)
+            assert torch.equal(gather_table_rows(table, check, out), resident[check])
+            times = {name: [] for name in ["copy", *candidates]}
+            for _ in range(args.repeats):  # interleaved: all candidates see the same load
                 times["copy"].append(timed(lambda: dst.copy_(src)))
-                times["gather"].append(timed(lambda: gather_table_rows(table, rows, out)))
-                times["in_ram"].append(timed(lambda: gather_table_rows(in_ram, rows, out)))
-                times["torch_index_select"].append(
-                    timed(lambda: torch.index_select(table, 0, rows, out=out)))
-                rows_np = rows.numpy()
-                times["numpy_take"].append(timed(lambda: np.take(numpy_table, rows_np, axis=0)))
+                for name, gather in candidates.items():
+                    # Fresh rows for every call: rows read before would be in the CPU cache.
+                    rows = torch.randint(0, args.rows, (batch,), generator=generator)
+                    times[name].append(timed(lambda: gather(rows, out)))
             median = {k: statistics.median(v) for k, v in times.items()}
             copy_bw = src.numel() / median["copy"]
             bound = copy_bw / row_bytes
-            rate = batch / median["gather"]
+            rate = {name: batch / median[name] for name in candidates}
             results.append({
                 "rows_per_gather": batch,
                 "gather_median_s": median["gather"],
-                "rows_per_s": rate,
-                "gathered_GB_per_s": rate * row_bytes / 1e9,
+                "rows_per_s": rate["gather"],
+                "gathered_GB_per_s": rate["gather"] * row_bytes / 1e9,
                 "copy_bandwidth_GB_per_s": copy_bw / 1e9,
                 "bound_rows_per_s": bound,
-                "fraction_of_bound": rate / bound,
-                "in_ram_rows_per_s": batch / median["in_ram"],
-                "torch_index_select_rows_per_s": batch / median["torch_index_select"],
-                "numpy_take_rows_per_s": batch / median["numpy_take"],
+                "fraction_of_bound": rate["gather"] / bound,
+                "hugepages_rows_per_s": rate["hugepages"],
+                "hugepages_fraction_of_bound": rate["hugepages"] / bound,
+                "torch_index_select_rows_per_s": rate["torch_index_select"],
+                "numpy_take_rows_per_s": rate["numpy_take"],
             })
-            print(f"{batch:>8} rows/gather: {rate / 1e6:7.2f} M rows/s "
-                  f"({rate * row_bytes / 1e9:.2f} GB/s) | bound {bound / 1e6:7.2f} M rows/s "
-                  f"(copy {copy_bw / 1e9:.2f} GB/s) | {100 * rate / bound:5.1f}% of bound | "
-                  f"in RAM {batch / median['in_ram'] / 1e6:.2f} | index_select "
-                  f"{batch / median['torch_index_select'] / 1e6:.2f}, take "
-                  f"{batch / median['numpy_take'] / 1e6:.2f} M rows/s")
+            print(f"{batch:>8} rows/gather: map {rate['gather'] / 1e6:6.2f} M rows/s "
+                  f"({100 * rate['gather'] / bound:4.1f}% of bound) | huge pages "
+                  f"{rate['hugepages'] / 1e6:6.2f} M rows/s "
+                  f"({100 * rate['hugepages'] / bound:4.1f}%) | bound {bound / 1e6:6.2f} M rows/s (copy {copy_bw / 1e9:.2f} GB/s) | "
+                  f"index_select {rate['torch_index_select'] / 1e6:.2f}, take "
+                  f"{rate['numpy_take'] / 1e6:.2f}")
         print(f"first gather on a fresh map ({batches[-1]} rows): "
               f"{batches[-1] / first_s / 1e6:.2f} M rows/s")
 
@@ -137,6 +139,8 @@ def main(argv=None) -> dict:
                     "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                     "torch": torch.__version__,
                     "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
+        "thp": Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().strip()
+        if Path("/sys/kernel/mm/transparent_hugepage/enabled").exists() else None,
         "table": {"rows": args.rows, "dim": args.dim, "dtype": args.dtype,
                   "row_bytes": row_bytes, "bytes": args.rows * row_bytes},
         "repeats": args.repeats,

@@ -430,7 +430,7 @@ def test_streaming_conv_state_and_slots(exports, tmp_path):
         memory.forward(layer, hidden[:, :1], torch.zeros(3, 1, 128), memory.new_state(3))
 
 
-def test_tables_stay_memory_mapped(exports):
+def test_tables_are_memory_mapped_or_resident_on_request(exports):
     memory = EngramMemory(exports.sharded)
     for layer in LAYERS:
         path = str((exports.sharded / f"engram_layer{layer}.safetensors").resolve())
@@ -444,6 +444,12 @@ def test_tables_stay_memory_mapped(exports):
                 spans.append((lo, hi))
         assert any(lo <= start and end <= hi for lo, hi in spans), \
             f"layer {layer}: the table is not a view of a map of {path}"
+    resident = EngramMemory(exports.sharded, tables="hugepages")
+    for layer in LAYERS:
+        assert torch.equal(resident.tables[layer], memory.tables[layer])
+        assert resident.tables[layer].data_ptr() % (2 << 20) == 0  # huge-page aligned
+    with pytest.raises(ValueError, match="tables="):
+        EngramMemory(exports.sharded, tables="ram")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
