@@ -450,6 +450,9 @@ def test_tables_are_memory_mapped_or_resident_on_request(exports):
         assert resident.tables[layer].data_ptr() % (2 << 20) == 0  # huge-page aligned
     with pytest.raises(ValueError, match="tables="):
         EngramMemory(exports.sharded, tables="ram")
+    memory.check_tokenizer(TOKENIZER)
+    with pytest.raises(ValueError, match="not the tokenizer this export was trained with"):
+        memory.check_tokenizer(GOLDEN_DIR / "tok_bpe4k")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

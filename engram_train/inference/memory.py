@@ -44,7 +44,6 @@ from engram_train.export.format import (
 from engram_train.export.safetensors_io import MappedSafetensors
 from engram_train.inference.hashing import IncrementalNgramHasher
 
-
 TABLE_MEMORY = ("map", "hugepages")
 
 
@@ -233,24 +232,24 @@ class EngramMemory:
 
     def lookup(self, layer_id: int, hash_ids: torch.Tensor, out: torch.Tensor | None = None
                ) -> torch.Tensor:
-        """Rows for head-local `hash_ids` [..., K] from the mapped table -> memory [..., K*D]
+        """Rows for head-local `hash_ids` [..., K] from the host table -> memory [..., K*D]
         (host, the table's dtype). `out` (e.g. a pinned buffer) receives them if given."""
         table = self.tables[layer_id]
         rows = gather_table_rows(table, (hash_ids + self.offsets[layer_id]).reshape(-1),
-                           None if out is None else out.view(-1, table.shape[1]))
+                                 None if out is None else out.view(-1, table.shape[1]))
         return rows.view(*hash_ids.shape[:-1], hash_ids.shape[-1] * table.shape[1])
 
     def prefetch(self, state: EngramState, token_ids) -> dict[int, torch.Tensor]:
         """Hash the new tokens and gather every layer's rows onto the device:
         {layer: memory [B, T, E]}, ready for `forward`."""
-        pin = self.device.type == "cuda"
+        pin = self.device.type == "cuda"  # gather into page-locked memory: async copies
         memory = {}
         for layer_id, hash_ids in self.hash(state, token_ids).items():
-            if str(layer_id) not in self.layers:
-                continue
-            rows = self.lookup(layer_id, hash_ids)
-            memory[layer_id] = (rows.pin_memory() if pin else rows).to(self.device,
-                                                                       non_blocking=pin)
+            table = self.tables[layer_id]
+            out = torch.empty((*hash_ids.shape[:-1], hash_ids.shape[-1] * table.shape[1]),
+                              dtype=table.dtype, pin_memory=pin)
+            rows = self.lookup(layer_id, hash_ids, out=out)
+            memory[layer_id] = rows.to(self.device, non_blocking=pin)
         return memory
 
     def prefault(self) -> None:
