@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.utils import unwrap_model
+from torch.distributed.checkpoint.api import CheckpointException
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,8 @@ ENGRAM_KEY_PART = ".engram."
 _ITER_DIR = re.compile(r"^iter_(\d{7,})$")
 _LEFTOVER_DIR = re.compile(r"^iter_(\d{7,})\.(tmp|old)$")
 _READ_CHUNK = 16 << 20
-# Free space below this after a failed write means the disk filled up.
+# Free space below this after a failed write means the disk filled up (when the size a
+# checkpoint needs is not known).
 _FULL_DISK_BYTES = 16 << 20
 # Headroom on top of a checkpoint's size for the free-space check (metadata, rounding).
 _SPACE_MARGIN = 1.05
@@ -366,9 +368,10 @@ def _full_sharded_state_dict(model, optimizer, is_loading: bool) -> dict[str, An
     return state
 
 
-def estimate_checkpoint_bytes(model: list[torch.nn.Module], optimizer_bytes_per_param: int = 12) -> int:
-    """Bytes a checkpoint of ``model`` takes, about: every parameter once (main replicas over
-    all ranks) plus Adam's fp32 master and two moments. Collective."""
+def estimate_checkpoint_bytes(model: list[torch.nn.Module]) -> int:
+    """Bytes a checkpoint of ``model`` takes, about: every tensor once (main replicas over all
+    ranks) plus Adam's state of each parameter (two fp32 moments, and an fp32 master copy except
+    for fp32 Engram tables, whose optimizer keeps none). Collective."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import is_main_replica
 
@@ -377,8 +380,13 @@ def estimate_checkpoint_bytes(model: list[torch.nn.Module], optimizer_bytes_per_
     total = 0
     for sh in nested_values(model_sharded_state_dict(model)):
         data = getattr(sh, "data", None)
-        if isinstance(data, torch.Tensor) and is_main_replica(sh.replica_id):
-            total += data.numel() * (data.element_size() + optimizer_bytes_per_param)
+        if not (isinstance(data, torch.Tensor) and is_main_replica(sh.replica_id)):
+            continue
+        state = 0
+        if data.requires_grad:
+            table_fp32 = sh.key.endswith("multi_head_embedding.weight") and data.element_size() == 4
+            state = 8 if table_fp32 else 12
+        total += data.numel() * (data.element_size() + state)
     if dist.is_initialized():
         t = torch.tensor([float(total)], dtype=torch.float64, device=device())
         dist.all_reduce(t)
@@ -411,6 +419,14 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def _free_bytes(path: Path) -> int:
+    """Free bytes on the file system that holds ``path`` (or would, once created)."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
 def _gib(n: float) -> str:
     return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
 
@@ -435,16 +451,16 @@ def nonfinite_parameter(model: list[torch.nn.Module]) -> tuple[int, str] | None:
 
 def check_free_space(root: str | os.PathLike, need: int | None, what: str) -> None:
     """Raise `CheckpointSpaceError` (on every rank: rank 0 decides) unless ``root`` has room for
-    the larger of ``need`` and the newest checkpoint already there."""
+    a checkpoint the size of the newest one already there (else ``need`` bytes)."""
     root = Path(root)
     previous = checkpoint_bytes(root)
-    need = max(previous or 0, need or 0)
+    need = previous or need  # a checkpoint already written is the best estimate
     message = None
     rank, world = _rank_world()
     if rank == 0 and need:
-        free = shutil.disk_usage(root).free
+        free = _free_bytes(root)
         if free < need * _SPACE_MARGIN:
-            source = "the size of the newest checkpoint" if previous and previous >= need else "estimated"
+            source = "the size of the newest checkpoint" if previous else "estimated"
             message = (
                 f"not enough free space to {what} in {root}: {_gib(free)} free, about "
                 f"{_gib(need)} needed ({source}). Nothing was written; free space or point "
@@ -458,7 +474,21 @@ def check_free_space(root: str | os.PathLike, need: int | None, what: str) -> No
         raise CheckpointSpaceError(message)
 
 
-def _is_no_space(exc: BaseException, directory: Path) -> bool:
+def _dir_bytes(path: Path) -> int:
+    total = 0
+    for p in path.rglob("*"):
+        try:
+            total += p.stat().st_size if p.is_file() else 0
+        except OSError:  # removed meanwhile (another rank cleaning up)
+            pass
+    return total
+
+
+def _is_no_space(exc: BaseException, root: Path, tmp: Path, need: int | None) -> bool:
+    """Did a failed save run out of space? megatron's writer processes report a full disk as
+    a torch serialization error ("unexpected pos ..."), without the errno, so besides the
+    exception chain this asks the file system: free space plus what the partial checkpoint
+    holds (a sum that its removal by another rank does not change) below what it needs."""
     seen = set()
     stack = [exc]
     while stack:
@@ -468,17 +498,16 @@ def _is_no_space(exc: BaseException, directory: Path) -> bool:
         seen.add(id(e))
         if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
-        text = str(e)
-        if "No space left on device" in text or "Disk quota exceeded" in text:
+        if "No space left on device" in str(e) or "Disk quota exceeded" in str(e):
             return True
         stack += [e.__cause__, e.__context__]
-        # megatron's CheckpointException carries the per-rank exceptions
-        for errors in getattr(e, "rank_to_errors", {}).values():
-            stack += [err for _, err in errors] if isinstance(errors, list) else []
+        for failure in getattr(e, "failures", {}).values():  # torch's CheckpointException:
+            stack.append(failure[0] if isinstance(failure, tuple) else failure)  # (exc, trace)
     try:
-        return shutil.disk_usage(directory).free < _FULL_DISK_BYTES
+        available = _free_bytes(root) + _dir_bytes(tmp)
     except OSError:
         return False
+    return available < (need * _SPACE_MARGIN if need else _FULL_DISK_BYTES)
 
 
 def save_checkpoint(
@@ -523,7 +552,8 @@ def save_checkpoint(
     state["extra"] = extra or {}
     try:
         dist_checkpointing.save(state, str(tmp))
-    except Exception as e:
+    except (Exception, CheckpointException) as e:  # torch's CheckpointException is a BaseException
+        no_space = _is_no_space(e, root, tmp, checkpoint_bytes(root) or space_estimate)
         shutil.rmtree(tmp, ignore_errors=True)
         latest = read_tracker(root)
         kept = (
@@ -531,10 +561,10 @@ def save_checkpoint(
             f"{iteration_dir(root, latest).name}." if latest is not None
             else f"The partial {tmp.name} was removed."
         )
-        if _is_no_space(e, root):
+        if no_space:
             raise CheckpointSpaceError(
                 f"saving iteration {iteration} to {root} failed: no space left on device "
-                f"({_gib(shutil.disk_usage(root).free)} free after removing the partial "
+                f"({_gib(_free_bytes(root))} free after removing the partial "
                 f"checkpoint). {kept} Free space or point checkpoint.save at a larger disk, then "
                 f"resume with checkpoint.load={root}"
             ) from e
@@ -615,7 +645,7 @@ def load_checkpoint_dir(
         )
     except CheckpointError:
         raise
-    except Exception as e:
+    except (Exception, CheckpointException) as e:
         raise CheckpointError(f"loading {ckpt} failed: {type(e).__name__}: {e}") from e
     _load_chunks(model, loaded, strict)
     if optimizer is not None:
@@ -700,13 +730,16 @@ def _load_without_engram(ckpt: Path, model, optimizer) -> tuple[int, dict[str, A
         return isinstance(x, ShardedBase) and ENGRAM_KEY_PART in x.key
 
     state = model_sharded_state_dict(model)
-    fresh_model, state = extract_matching_values(state, is_engram)
-    params = {
+    _, state = extract_matching_values(state, is_engram)
+    # Engram's weights as they are now: preparing megatron's optimizer for a load runs a dummy
+    # step (runtime/megatron_fixes.py) whose weight decay would otherwise reach them.
+    engram_live = {
         sh.key: sh.data
         for chunk in model_sharded_state_dict(model).values()
         for sh in chunk.values()
-        if isinstance(sh, ShardedTensor)
+        if isinstance(sh, ShardedTensor) and ENGRAM_KEY_PART in sh.key
     }
+    initial_engram = {key: data.detach().clone() for key, data in engram_live.items()}
     parts: list = []
     fresh_optim: dict = {}
     chained = False
@@ -751,13 +784,15 @@ def _load_without_engram(ckpt: Path, model, optimizer) -> tuple[int, dict[str, A
                 raise CheckpointError(f"cannot initialise optimizer state {sh.key} afresh")
             kind, _, name = sh.key.split("optimizer.state.", 1)[1].partition(".")
             if kind == "param":  # the fp32 master copy: the parameter as initialised
-                return params[name].detach().to(sh.data.dtype).clone().view_as(sh.data)
+                return initial_engram[name].to(sh.data.dtype).view_as(sh.data).clone()
             return torch.zeros_like(sh.data)
 
         dict_list_map_inplace(initial, fresh_optim)
         merge(loaded["optimizer"], fresh_optim)
         for i, part in enumerate(parts):
             part.load_state_dict(loaded["optimizer"][i] if chained else loaded["optimizer"])
-    del fresh_model
+    with torch.no_grad():
+        for key, data in engram_live.items():
+            data.copy_(initial_engram[key])
     _check_loaded(ckpt, model)
     return int(loaded["iteration"]), loaded.get("extra") or {}

@@ -251,13 +251,14 @@ def build(cfg: DictConfig, plan: Plan) -> Job:
     from engram_train.metrics import is_logging_rank
     from engram_train.models.builder import build_model
     from engram_train.runtime import initialize_distributed
-    from engram_train.training.faults import ExitSignalHandler, children_die_with_parent
+    from engram_train.training.faults import ExitSignalHandler, children_die_with_parent, reap_process_group_on_exit
     from engram_train.training.optimizer import build_optimizer
     from engram_train.training.run_config import data_parallel_size, parallel_sizes
 
     t, s = cfg.train, cfg.system
     signals = ExitSignalHandler().install() if t.exit_signal_handler else None
     children_die_with_parent()
+    reap_process_group_on_exit()
     exp_dir = Path(cfg.experiment.exp_dir)
     initialize_distributed(parallel_sizes(cfg), seed=int(t.seed), timeout_minutes=int(s.distributed_timeout_minutes))
     rank = dist.get_rank()
@@ -479,16 +480,24 @@ def train(job: Job, progress: Progress) -> dict:
                     last = job.metrics.log(progress.iteration, **record) or {}
             if stop.nonfinite:
                 _nonfinite_step(job, progress, result)
-            if c.save and ((c.save_interval and progress.iteration % c.save_interval == 0) or stop.exit):
+            # A non-finite step is never checkpointed (its update was skipped; the state is
+            # the previous iteration's).
+            due = (c.save_interval and progress.iteration % c.save_interval == 0) or stop.exit
+            if c.save and due and not stop.nonfinite:
                 job.save(progress.iteration, progress.consumed)
                 progress.last_saved = progress.iteration
             if stop.exit:
                 reason = f"received {job.signals.received}" if stop.signal else "train.exit_duration_in_mins reached"
-                saved = f"saved iteration {progress.iteration} to {c.save}" if c.save else "checkpoint.save is not set: nothing saved"
+                if progress.last_saved == progress.iteration:
+                    saved = f"saved iteration {progress.iteration} to {c.save}"
+                elif c.save:
+                    saved = f"this step was not finite: nothing saved (newest: iteration {progress.last_saved})"
+                else:
+                    saved = "checkpoint.save is not set: nothing saved"
                 if job.rank == 0:
                     log.warning("%s: %s; exiting", reason, saved)
                 break
-        if c.save and progress.last_saved != progress.iteration:
+        if c.save and progress.last_saved != progress.iteration and not stop.exit and not stop.nonfinite:
             job.save(progress.iteration, progress.consumed)
             progress.last_saved = progress.iteration
     finally:

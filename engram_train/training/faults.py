@@ -10,8 +10,9 @@
   ship): a signal handler only records SIGTERM; at the end of every iteration all ranks agree
   (one small all-reduce, which also carries the wall-clock limit and the non-finite flag), save a
   checkpoint and leave the loop together.
-- `children_die_with_parent`: processes forked by a rank (megatron's checkpoint writer
-  processes) are killed when the rank dies, so a ``kill -9`` leaves nothing behind.
+- `children_die_with_parent`, `reap_process_group_on_exit`: processes forked by a rank
+  (megatron's checkpoint writer processes) are killed when the rank dies, and so is what it
+  spawned (under torchrun), so a ``kill -9`` leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -198,12 +199,47 @@ def _before_fork() -> None:
 
 
 def _after_fork_in_child() -> None:
+    # A forked child inherits the parent's Python SIGTERM handler (`ExitSignalHandler`), which
+    # only records the signal: give it back the default, so that torchrun can stop it.
+    if isinstance(getattr(signal.getsignal(signal.SIGTERM), "__self__", None), ExitSignalHandler):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     except (OSError, AttributeError):
         return
     if os.getppid() != _fork_parent[0]:  # the parent died before the request took effect
         os._exit(1)
+
+
+_GUARD = """
+import ctypes, os, signal, sys
+def reap(*_):
+    os.killpg(os.getpgid(0), signal.SIGKILL)  # the rank's process group, this process included
+for s in (signal.SIGTERM, signal.SIGINT):
+    signal.signal(s, signal.SIG_IGN)  # stay until the rank itself is gone
+signal.signal(signal.SIGHUP, reap)
+ctypes.CDLL(None).prctl(1, int(signal.SIGHUP), 0, 0, 0)  # PR_SET_PDEATHSIG
+if os.getppid() != int(sys.argv[1]):
+    reap()
+while True:
+    signal.pause()
+"""
+_guard: list = []
+
+
+def reap_process_group_on_exit() -> bool:
+    """When this process leads its own session (as torchrun starts each rank), start a small
+    guard process that kills the session's process group once this process is gone, however it
+    ended. That takes along what megatron's checkpointing spawned (its result-queue manager and
+    multiprocessing's resource tracker are started with exec, so `children_die_with_parent`
+    cannot reach them). Returns whether a guard runs. Linux only."""
+    import subprocess
+
+    if _guard or sys.platform != "linux" or os.getsid(0) != os.getpid():
+        return bool(_guard)
+    _guard.append(subprocess.Popen([sys.executable, "-c", _GUARD, str(os.getpid())], close_fds=True,
+                                   stdin=subprocess.DEVNULL))  # fmt: skip
+    return True
 
 
 def children_die_with_parent() -> None:
