@@ -201,7 +201,7 @@ def _module_attribute_assignments(path: Path) -> list[str]:
 # Files still swapping a megatron global while the model's seam moves to megatron's own decoder
 # kwargs (issue 14, item 1). An entry whose file no longer swaps anything fails the test below:
 # delete it then.
-PENDING_SEAM_REMOVAL = {"models/engram_gpt.py"}
+PENDING_SEAM_REMOVAL: set[str] = set()  # the decoder-class swap in models/engram_gpt.py is gone
 
 
 def test_no_megatron_or_torch_attribute_is_replaced_outside_the_registry():
