@@ -8,7 +8,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 # The tests that drive megatron-core end to end (integration and parity, embedding parallelism,
-# checkpoints, the trainer, the patch registry). CI runs the full suite on one megatron-core
+# checkpoints (with adding/removing Engram and damaged files), the trainer, the patch registry). CI runs the full suite on one megatron-core
 # lane and these on the other: `make test MEGATRON=0.19 PYTEST_ARGS="-m every_lane"`.
 EVERY_LANE = {
     "test_engram_integration.py",
@@ -19,6 +19,7 @@ EVERY_LANE = {
     "test_trainer.py",
     "test_runtime.py",
     "test_patches.py",
+    "test_reliability_checkpoint.py",
 }
 
 

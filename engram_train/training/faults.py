@@ -68,12 +68,12 @@ def _finite(value) -> bool:
 class SkipNonFiniteUpdate:
     """A megatron optimizer whose ``step()`` skips the update when the gradient norm is not finite.
 
-    ``step()`` follows megatron-core 0.16's ``MegatronOptimizer.step`` / ``ChainedOptimizer.step``
-    (prepare grads, global grad norm, clip every chained optimizer by it, step) and inserts one
-    check before clipping: a NaN/inf norm returns ``(False, norm, None)`` with parameters and
-    optimizer state untouched. The norm is the same on every rank, so all ranks skip together.
-    Everything else is the wrapped optimizer's (pass it to ``train_step``; checkpoints and the
-    LR scheduler keep using the optimizer itself).
+    ``step()`` is megatron's own (prepare grads, global grad norm, clip, and whatever else the
+    installed megatron-core version does there), with the final ``step_with_ready_grads`` held
+    back until the returned grad norm is known: a NaN/inf norm returns ``(False, norm, ...)``
+    with parameters and optimizer state untouched. The norm is the same on every rank, so all
+    ranks skip together. Everything else is the wrapped optimizer's (pass this to
+    ``train_step``; checkpoints and the LR scheduler keep using the optimizer itself).
     """
 
     def __init__(self, optimizer) -> None:
@@ -83,36 +83,26 @@ class SkipNonFiniteUpdate:
     def __getattr__(self, name):
         return getattr(self.optimizer, name)
 
-    def _parts(self) -> list:
-        from megatron.core.optimizer import ChainedOptimizer
-
-        opt = self.optimizer
-        return list(opt.chained_optimizers) if isinstance(opt, ChainedOptimizer) else [opt]
-
     @torch.no_grad()
     def step(self):
-        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
-
         opt = self.optimizer
         self.skipped_nonfinite = False
-        if opt.prepare_grads():  # fp16 loss-scale overflow: megatron's own skip
-            return False, None, None
-        grad_norm = opt.get_grad_norm()
+        held = []
+        # An instance attribute shadows the method for this call only: megatron's step ends by
+        # calling self.step_with_ready_grads() (unless it skips the step itself, as on an fp16
+        # loss-scale overflow); here that call only records that it was due.
+        opt.step_with_ready_grads = lambda: held.append(True) or True
+        try:
+            success, grad_norm, num_zeros = opt.step()
+        finally:
+            del opt.step_with_ready_grads
+        if not held:
+            return success, grad_norm, num_zeros
+        if grad_norm is None or not opt.config.clip_grad > 0.0:  # megatron did not compute it
+            grad_norm = opt.get_grad_norm()
         if not _finite(grad_norm):
             self.skipped_nonfinite = True
-            return False, grad_norm, None
-        for part in self._parts():
-            if getattr(part, "is_stub_optimizer", False):
-                continue
-            params = part.get_parameters()
-            if params and part.config.clip_grad > 0.0:
-                clip_grad_by_total_norm_fp32(
-                    params,
-                    max_norm=part.config.clip_grad,
-                    total_norm=grad_norm,
-                    use_decoupled_grad=part.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
-                )
-        num_zeros = opt.count_zeros() if opt.config.log_num_zeros_in_grad else None
+            return False, grad_norm, num_zeros
         return opt.step_with_ready_grads(), grad_norm, num_zeros
 
 
