@@ -542,8 +542,7 @@ def save_checkpoint(
         check_free_space(root, space_estimate, f"save iteration {iteration}")
     if rank == 0:
         for path in remove_leftovers(root):
-            if path != tmp:
-                log.warning("removed %s, left by a failed or interrupted save", path)
+            log.warning("removed %s, left by a failed or interrupted save", path)
         tmp.mkdir(parents=True)
     dist.barrier()
     started = time.perf_counter()
@@ -573,11 +572,11 @@ def save_checkpoint(
     holder = [_files_of(tmp) if rank == 0 else None]
     if dist.get_world_size() > 1:
         dist.broadcast_object_list(holder, src=0)
-    digests = _digests(tmp, holder[0])
+    digests = _digests(tmp, holder[0])  # the same on every rank
+    unreadable = {n: d for n, d in digests.items() if isinstance(d, str)}
+    if unreadable:
+        raise CheckpointError(f"saving iteration {iteration}: cannot read back {unreadable}")
     if rank == 0:
-        unreadable = {n: d for n, d in digests.items() if isinstance(d, str)}
-        if unreadable:
-            raise CheckpointError(f"saving iteration {iteration}: cannot read back {unreadable}")
         manifest = {
             "format": MANIFEST_FORMAT,
             "iteration": iteration,

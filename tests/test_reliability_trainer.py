@@ -162,6 +162,36 @@ def test_truncated_and_overwritten_shards_are_named(base, tmp_path):
         assert shard.stat().st_size == (size // 2 if mode == "truncate" else size)  # left for inspection
 
 
+# -- row: a checkpoint without Engram, resumed with Engram (the continued-pretraining recipe) ----
+
+
+def test_adding_engram_to_a_checkpoint_without_it(tmp_path):
+    """Saved without Engram under data parallel 2; refused with Engram unless switched on;
+    with checkpoint.load_engram=false resumed with Engram under tensor parallel 2."""
+    from engram_train.checkpointing import check_checkpoint
+    from engram_train.train import check
+    from engram_train.training.run_identity import ResumeMismatchError
+
+    base, engram = tmp_path / "base", tmp_path / "engram"
+    run_trainer(f"experiment.exp_dir={tmp_path / 'run_base'}", f"checkpoint.save={base}", "model.use_engram=false",
+                "train.train_iters=2", "train.eval_interval=null", "train.lr_warmup_iters=1")  # fmt: skip
+    before = manifest_digest(base / "iter_0000002")
+    resume = [f"experiment.exp_dir={tmp_path / 'run_engram'}", f"checkpoint.load={base}", f"checkpoint.save={engram}",
+              "train.train_iters=4", "train.eval_interval=null", "train.lr_warmup_iters=1", "train.log_interval=1",
+              "checkpoint.override_opt_param_scheduler=true"]  # fmt: skip
+    with pytest.raises(ResumeMismatchError, match=r"saved without Engram.*checkpoint\.load_engram=false"):
+        check(_cfg(*resume))
+    proc = run_trainer(*resume, "checkpoint.load_engram=false", "system.tensor_model_parallel_size=2")
+    assert f"resumed from {base / 'iter_0000002'} at iteration 2 (16 samples consumed); Engram not loaded: " \
+           "initialised afresh" in proc.output
+    records = read_metrics(tmp_path / "run_engram")
+    assert [r["iteration"] for r in records] == [3, 4] and all(math.isfinite(r["lm_loss"]) for r in records)
+    manifest = json.loads((engram / "iter_0000004" / "manifest.json").read_text())
+    assert manifest["run"]["use_engram"] and check_checkpoint(engram / "iter_0000004") == []
+    assert manifest_digest(base / "iter_0000002") == before and sorted(p.name for p in base.iterdir()) == [
+        "iter_0000002", TRACKER]
+
+
 # -- row: random bytes in the newest checkpoint, resumed with fallback; longer schedule -------
 
 
