@@ -359,7 +359,9 @@ def resume(job: Job, plan: Plan) -> Progress:
                             iteration_dir(plan.resume_from, iteration), "\n  ".join(problems))  # fmt: skip
         if selection.skipped:  # `check` looked at a newer one
             check_resume(cfg, plan, selection.path, selection.manifest)
-        iteration, extra = load_checkpoint_dir(selection.path, job.model, job.optimizer, load_engram=bool(c.load_engram))
+        iteration, extra = load_checkpoint_dir(
+            selection.path, job.model, job.optimizer, load_engram=bool(c.load_engram)
+        )
         if "scheduler" in extra:
             job.scheduler.load_state_dict(extra["scheduler"])
         progress = Progress(

@@ -10,12 +10,12 @@ import json
 import logging
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 import types
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -102,7 +102,7 @@ def test_identity_mismatch_names_the_key_and_the_override(saved_identity, overri
     with pytest.raises(ResumeMismatchError) as e:
         check_run_identity(saved_identity, _identity(*overrides), load_engram=True, where="ckpt/iter_0000004")
     for pattern in expected:
-        assert __import__("re").search(pattern, str(e.value)), str(e.value)
+        assert re.search(pattern, str(e.value)), str(e.value)
 
 
 def test_identity_adding_engram_needs_the_switch(saved_identity):
@@ -268,14 +268,15 @@ def test_failed_preprocess_keeps_the_existing_output(tmp_path, capsys):
         ("key.jsonl", b'{"text": "a"}\n{"body": "b"}\n', [], r"key\.jsonl:2: no 'text' field \(set --json-key\)"),
         ("notjson.jsonl", b'{"text": "a"}\n{text\n', [], r"notjson\.jsonl:2: not valid JSON"),
         ("latin1.txt", b"para one\n\nna\xefve line\n", [], r"latin1\.txt:3: not valid UTF-8 \(byte 0xef at column 3\)"),
-        ("whole.txt", b"ok\nstill ok\nbad \xff\n", ["--text-doc", "file"], r"whole\.txt:3: not valid UTF-8 \(byte 0xff at column 5\)"),
+        ("whole.txt", b"ok\nstill ok\nbad \xff\n", ["--text-doc", "file"],
+         r"whole\.txt:3: not valid UTF-8 \(byte 0xff at column 5\)"),
     ],
 )
 def test_bad_inputs_name_file_and_line(tmp_path, capsys, name, content, args, message):
     path = tmp_path / name
     path.write_bytes(content)
     assert _preprocess("--input", str(path), "--output-prefix", str(tmp_path / "o"), *args) == 1
-    assert __import__("re").search(message, capsys.readouterr().err)
+    assert re.search(message, capsys.readouterr().err)
     assert list(tmp_path.iterdir()) == [path]  # no output, no temporary file
 
 

@@ -152,7 +152,8 @@ def test_truncated_and_overwritten_shards_are_named(base, tmp_path):
         size = shard.stat().st_size
         corrupt(shard, truncate=mode == "truncate")
         if mode == "truncate":  # found before any process group: sizes are compared at start
-            with pytest.raises(DamagedCheckpointError, match=re.escape(f"{shard}: {size // 2} bytes, {size} were written")):
+            expected = re.escape(f"{shard}: {size // 2} bytes, {size} were written")
+            with pytest.raises(DamagedCheckpointError, match=expected):
                 check(_cfg(f"checkpoint.load={damaged}", f"experiment.exp_dir={tmp_path / 'run'}", *COMMON))
         with pytest.raises(DamagedCheckpointError) as e:
             select_checkpoint(damaged)
@@ -279,6 +280,13 @@ def _alive(pids) -> list[int]:
     return left
 
 
+def _cmdline(pid: int) -> str:
+    try:
+        return " ".join(psutil.Process(pid).cmdline())[:120]
+    except psutil.NoSuchProcess:
+        return "(gone)"
+
+
 def _wait_gone(pids, seconds: float) -> list[int]:
     deadline = time.time() + seconds
     while time.time() < deadline and _alive(pids):
@@ -373,12 +381,12 @@ def test_kill_rank0_during_save_leaves_no_process(tmp_path):
         rank0.kill()
         proc.wait(timeout=300)
         left = _wait_gone(job, 15)
-        cmdlines = {pid: (psutil.Process(pid).status(), psutil.Process(pid).ppid(), " ".join(psutil.Process(pid).cmdline())[:120]) for pid in left}
+        survivors = {pid: _cmdline(pid) for pid in left}
     finally:
         for pid in _alive(job):  # whatever is left of this job, so the suite goes on
             os.kill(pid, signal.SIGKILL)
     assert {w.pid for w in writers} <= job
-    assert left == [], cmdlines
+    assert left == [], survivors
     from engram_train.checkpointing import check_checkpoint, read_tracker
 
     latest = read_tracker(ckpt)
@@ -395,7 +403,8 @@ ENOSPC_SCRIPT = textwrap.dedent("""
     rm -rf {mnt}/ckpt
     {cmd} checkpoint.check_free_space=false > {out}/unchecked.log 2>&1; echo "unchecked_rc=$?" >> {out}/rc
     ls -a {mnt}/ckpt > {out}/listing; cat {mnt}/ckpt/latest_checkpointed_iteration.txt > {out}/tracker
-    {python} -c "from engram_train.checkpointing import check_checkpoint; print(check_checkpoint('{mnt}/ckpt/iter_0000002'))" > {out}/problems
+    {python} -c "from engram_train.checkpointing import check_checkpoint as c; print(c('{mnt}/ckpt/iter_0000002'))" \\
+        > {out}/problems
 """)
 
 

@@ -19,7 +19,6 @@ distributed optimizer with fully reshardable checkpoints, as the trainer uses.
   file; loading it without checksums is refused because the parameter loads as NaN.
 """
 
-import os
 import shutil
 import sys
 import tempfile
@@ -44,7 +43,6 @@ from megatron.core.utils import unwrap_model
 from engram_train import checkpointing as ckpt
 from engram_train.config import EngramMLATransformerConfig
 from engram_train.models.builder import build_model
-from engram_train.training.engram_optimizer import EngramTableOptimizer
 from engram_train.training.faults import SkipNonFiniteUpdate
 from engram_train.training.optimizer import build_optimizer
 from engram_train.training.step import train_step
