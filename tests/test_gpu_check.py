@@ -1,5 +1,5 @@
 """benchmarks/gpu_check.py on CPU: the plan (--dry-run), every section that can run without CUDA
-(gloo, 2 processes, small sizes), and the spec comparison against itself (exact)."""
+(gloo, 2 processes, small sizes), the spec comparison against itself (exact), the time limit."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def cpu_run(tmp_path_factory):
 def test_cpu_sections_pass(cpu_run):
     status = {name: s["status"] for name, s in cpu_run["sections"].items()}
     assert status == {"environment": "ok", "te_spec": "skipped", "nccl_embedding": "ok",
-                      "bf16_training": "ok", "prefetch": "ok", "offload": "skipped",
+                      "bf16_training": "ok", "prefetch": "ok", "offload": "ok",
                       "throughput": "ok"}, cpu_run
     assert cpu_run["ok"] is True
 
@@ -66,6 +66,9 @@ def test_cpu_section_results(cpu_run):
     assert bf16["bf16"]["stream"]["layer_out"] == ["torch.bfloat16"]
     assert bf16["bf16_tables"]["final_rel_diff_vs_fp32"] < 0.03
     assert s["prefetch"]["bitwise"] is True  # CPU: deterministic, so exactly equal
+    offload = s["offload"]["sparse_adam"]  # host states vs none: the same numbers on CPU
+    assert offload["losses_on"] == offload["losses_off"] and offload["table_max_diff"] == 0.0
+    assert offload["host_state_mib"] > 0
     t = s["throughput"]
     assert t["engram"]["tokens_per_s"] > 0 and t["no_engram"]["tokens_per_s"] > 0
 

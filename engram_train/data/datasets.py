@@ -44,6 +44,8 @@ import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
+from engram_train.runtime.patches import DATASET_PATCHES, apply_patches
+
 logger = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -68,28 +70,6 @@ def file_lock(path: str | os.PathLike):
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
-
-
-@contextlib.contextmanager
-def _lone_process_is_rank_zero():
-    """Without a process group, make ``torch.distributed.get_rank()`` answer 0.
-
-    megatron-core 0.16.1's ``BlendedDataset._build_indices`` calls ``get_rank()`` on a cache
-    miss even when no process group exists (``GPTDataset`` checks ``is_initialized()`` first),
-    so a weighted blend could not be built in a single process. Nothing is changed when a
-    process group exists.
-    """
-    import torch.distributed as dist
-
-    if not dist.is_available() or dist.is_initialized():
-        yield
-        return
-    original = dist.get_rank
-    dist.get_rank = lambda group=None: 0
-    try:
-        yield
-    finally:
-        dist.get_rank = original
 
 
 # --------------------------------------------------------------------------- C++ helpers
@@ -129,8 +109,8 @@ def ensure_dataset_helpers(build_dir: str | os.PathLike | None = None) -> str:
     )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    # `from megatron.core.datasets.helpers_cpp import ...` (megatron's helpers.py) finds it here.
     sys.modules[name] = module
-    mcd.helpers_cpp = module
     return str(lib)
 
 
@@ -276,6 +256,8 @@ def build_gpt_datasets(
     ):
         raise ValueError("a weighted blend needs num_samples for every split with a nonzero share.")
 
+    # megatron-core < 0.18 cannot build a weighted blend without a process group.
+    apply_patches(DATASET_PATCHES)
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir() / "dataset_indices"
     ensure_dataset_helpers()
 
@@ -299,7 +281,7 @@ def build_gpt_datasets(
         if not distributed or torch.distributed.get_rank() == 0
         else contextlib.nullcontext()
     )
-    with lock, _lone_process_is_rank_zero(), warnings.catch_warnings():
+    with lock, warnings.catch_warnings():
         if getattr(tokenizer, "pad", None) == getattr(tokenizer, "eod", None):
             # Intended: with pad == eod megatron pads partial samples with a sentinel id (and
             # masks it from the loss), so that real end-of-document tokens keep their loss.

@@ -12,6 +12,12 @@ Documents:
   * other files (plain text): by ``--text-doc`` — ``paragraph`` (default): blocks separated by
     one or more blank lines; ``line``: every non-empty line; ``file``: the whole file.
   * a ``.gz`` suffix on any input is decompressed on the fly.
+
+Failure is safe: the output is written to temporary files next to it and renamed into place
+only when every input was read, so an existing ``.bin``/``.idx`` pair survives a failed run
+unchanged. An input that is empty, a line that is not UTF-8, not JSON or lacks the JSON key
+stops the run naming the file and line; ``--skip-bad-lines`` skips such lines instead and
+reports how many (and which) were skipped.
 """
 
 from __future__ import annotations
@@ -31,10 +37,35 @@ TEXT_DOC_MODES = ("paragraph", "line", "file")
 BATCH_DOCS = 512
 
 
-def _open_text(path: Path):
-    if path.suffix == ".gz":
-        return gzip.open(path, "rt", encoding="utf-8")
-    return open(path, encoding="utf-8")
+class PreprocessError(ValueError):
+    """Bad input; the message names the file (and line) and the fix."""
+
+
+class BadLines:
+    """Lines skipped under ``--skip-bad-lines``: a count and the first few places."""
+
+    SHOWN = 5
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.first: list[str] = []
+
+    def add(self, where: str) -> None:
+        self.count += 1
+        if len(self.first) < self.SHOWN:
+            self.first.append(where)
+
+    def __str__(self) -> str:
+        more = f", ... ({self.count - len(self.first)} more)" if self.count > len(self.first) else ""
+        return f"{self.count} bad lines skipped: " + "; ".join(self.first) + more
+
+
+def _open_binary(path: Path):
+    return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
+
+
+def _undecodable(path: Path, lineno: int, e: UnicodeDecodeError) -> str:
+    return f"{path}:{lineno}: not valid UTF-8 (byte 0x{e.object[e.start]:02x} at column {e.start + 1})"
 
 
 def _is_jsonl(path: Path, input_format: str) -> bool:
@@ -51,51 +82,75 @@ def iter_documents(
     json_key: str = "text",
     text_doc: str = "paragraph",
     on_bytes=None,
+    bad_lines: BadLines | None = None,
 ) -> Iterator[str]:
     """Yield the documents of one input file (see the module docstring for the rules).
 
-    `on_bytes(n)` is called with the number of (decoded) bytes consumed, for progress bars.
+    `on_bytes(n)` is called with the number of bytes consumed, for progress bars. A bad line
+    raises `PreprocessError` naming the file and line, or with `bad_lines` is counted there and
+    skipped.
     """
     path = Path(path)
     if text_doc not in TEXT_DOC_MODES:
         raise ValueError(f"text_doc must be one of {TEXT_DOC_MODES}, got {text_doc!r}")
     tick = on_bytes or (lambda n: None)
-    with _open_text(path) as f:
-        if _is_jsonl(path, input_format):
-            for lineno, line in enumerate(f, 1):
-                tick(len(line.encode("utf-8")))
-                if not line.strip():
-                    continue
+    hint = " (or pass --skip-bad-lines to skip such lines)"
+
+    def bad(where: str) -> None:
+        if bad_lines is None:
+            raise PreprocessError(where + hint)
+        bad_lines.add(where)
+
+    def lines():
+        with _open_binary(path) as f:
+            for lineno, raw in enumerate(f, 1):
+                tick(len(raw))
                 try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{lineno}: not valid JSON ({e})") from None
-                if not isinstance(obj, dict) or json_key not in obj:
-                    raise ValueError(f"{path}:{lineno}: no {json_key!r} field (set --json-key)")
-                text = obj[json_key]
-                if not isinstance(text, str):
-                    raise ValueError(f"{path}:{lineno}: field {json_key!r} is not a string")
-                yield text
-        elif text_doc == "file":
-            text = f.read()
-            tick(len(text.encode("utf-8")))
+                    yield lineno, raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    bad(_undecodable(path, lineno, e))
+
+    if _is_jsonl(path, input_format):
+        for lineno, line in lines():
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                bad(f"{path}:{lineno}: not valid JSON ({e})")
+                continue
+            if not isinstance(obj, dict) or json_key not in obj:
+                bad(f"{path}:{lineno}: no {json_key!r} field (set --json-key)")
+                continue
+            text = obj[json_key]
+            if not isinstance(text, str):
+                bad(f"{path}:{lineno}: field {json_key!r} is not a string")
+                continue
             yield text
-        elif text_doc == "line":
-            for line in f:
-                tick(len(line.encode("utf-8")))
-                if line.strip():
-                    yield line.rstrip("\n")
-        else:
-            block: list[str] = []
-            for line in f:
-                tick(len(line.encode("utf-8")))
-                if line.strip():
-                    block.append(line)
-                elif block:
-                    yield "".join(block).rstrip("\n")
-                    block = []
-            if block:
+    elif text_doc == "file":
+        with _open_binary(path) as f:
+            data = f.read()
+        tick(len(data))
+        try:
+            yield data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            lineno = data.count(b"\n", 0, e.start) + 1
+            column = e.start - (data.rfind(b"\n", 0, e.start) + 1)
+            bad(f"{path}:{lineno}: not valid UTF-8 (byte 0x{data[e.start]:02x} at column {column + 1})")
+    elif text_doc == "line":
+        for _, line in lines():
+            if line.strip():
+                yield line.rstrip("\n")
+    else:
+        block: list[str] = []
+        for _, line in lines():
+            if line.strip():
+                block.append(line)
+            elif block:
                 yield "".join(block).rstrip("\n")
+                block = []
+        if block:
+            yield "".join(block).rstrip("\n")
 
 
 def preprocess(
@@ -108,11 +163,14 @@ def preprocess(
     text_doc: str = "paragraph",
     append_eod: bool = True,
     progress: bool = True,
+    skip_bad_lines: bool = False,
 ) -> dict:
     """Tokenize `inputs` into ``<output_prefix>_<json_key>_document.{bin,idx}``.
 
     Returns a summary: ``prefix`` (the dataset prefix to give training), ``documents``,
-    ``tokens`` (EOD included).
+    ``tokens`` (EOD included), ``bad_lines`` (a `BadLines`, with ``skip_bad_lines``).
+    Raises `PreprocessError` for an empty input or a bad line (see the module docstring);
+    the output files are then left as they were.
     """
     from megatron.core.datasets.indexed_dataset import (
         DType,
@@ -129,7 +187,11 @@ def preprocess(
     prefix = f"{output_prefix}_{json_key}_document"
     Path(prefix).parent.mkdir(parents=True, exist_ok=True)
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
-    builder = IndexedDatasetBuilder(get_bin_path(prefix), dtype=dtype)
+    bin_path, idx_path = Path(get_bin_path(prefix)), Path(get_idx_path(prefix))
+    tmp_bin = bin_path.with_name(f"{bin_path.name}.tmp-{os.getpid()}")
+    tmp_idx = idx_path.with_name(f"{idx_path.name}.tmp-{os.getpid()}")
+    builder = IndexedDatasetBuilder(str(tmp_bin), dtype=dtype)
+    bad_lines = BadLines() if skip_bad_lines else None
     encode = getattr(tokenizer, "tokenize_batch", None) or (
         lambda texts: [tokenizer.tokenize(t) for t in texts]
     )
@@ -147,23 +209,42 @@ def preprocess(
             n_docs += 1
             n_tokens += len(ids)
 
-    # Progress counts decoded bytes, so a total is known only without compressed inputs.
+    # Progress counts decompressed bytes, so a total is known only without compressed inputs.
     total = None if any(p.suffix == ".gz" for p in paths) else sum(p.stat().st_size for p in paths)
-    with tqdm(total=total, unit="B", unit_scale=True, desc="tokenize", disable=not progress) as bar:
-        for p in paths:
-            batch: list[str] = []
-            for doc in iter_documents(
-                p, input_format=input_format, json_key=json_key, text_doc=text_doc,
-                on_bytes=bar.update,
-            ):  # fmt: skip
-                if doc.strip():
-                    batch.append(doc)
-                if len(batch) >= BATCH_DOCS:
-                    flush(batch)
-                    batch = []
-            flush(batch)
-    builder.finalize(get_idx_path(prefix))
-    return {"prefix": prefix, "documents": n_docs, "tokens": n_tokens, "dtype": dtype.__name__}
+    try:
+        with tqdm(total=total, unit="B", unit_scale=True, desc="tokenize", disable=not progress) as bar:
+            for p in paths:
+                batch: list[str] = []
+                docs_before = n_docs
+                for doc in iter_documents(
+                    p, input_format=input_format, json_key=json_key, text_doc=text_doc,
+                    on_bytes=bar.update, bad_lines=bad_lines,
+                ):  # fmt: skip
+                    if doc.strip():
+                        batch.append(doc)
+                    if len(batch) >= BATCH_DOCS:
+                        flush(batch)
+                        batch = []
+                flush(batch)
+                if n_docs == docs_before:
+                    skipped = " or only skipped lines" if bad_lines is not None and bad_lines.count else ""
+                    raise PreprocessError(
+                        f"{p}: no documents (the file is empty, or holds only blank lines{skipped}): "
+                        "remove it from --input"
+                    )
+        builder.finalize(str(tmp_idx))
+        # Replace the pair: the old .idx goes first, so an interruption leaves a .bin without
+        # an .idx (refused by training) rather than a new .bin with the old .idx.
+        idx_path.unlink(missing_ok=True)
+        os.replace(tmp_bin, bin_path)
+        os.replace(tmp_idx, idx_path)
+    except BaseException:
+        builder.data_file.close()
+        tmp_bin.unlink(missing_ok=True)
+        tmp_idx.unlink(missing_ok=True)
+        raise
+    return {"prefix": prefix, "documents": n_docs, "tokens": n_tokens, "dtype": dtype.__name__,
+            "bad_lines": bad_lines}  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -221,6 +302,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_false",
         help="do not append the EOD id after each document",
     )
+    p.add_argument(
+        "--skip-bad-lines",
+        action="store_true",
+        help="skip lines that are not UTF-8, not JSON or lack --json-key (counted and reported) "
+        "instead of stopping at the first",
+    )
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     return p  # fmt: skip
 
@@ -231,21 +318,28 @@ def main(argv: list[str] | None = None) -> int:
     from engram_train.data.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(args.tokenizer, eod_token=args.eod_token)
-    summary = preprocess(
-        args.input,
-        args.output_prefix,
-        tokenizer,
-        input_format=args.input_format,
-        json_key=args.json_key,
-        text_doc=args.text_doc,
-        append_eod=args.append_eod,
-        progress=args.progress,
-    )
+    try:
+        summary = preprocess(
+            args.input,
+            args.output_prefix,
+            tokenizer,
+            input_format=args.input_format,
+            json_key=args.json_key,
+            text_doc=args.text_doc,
+            append_eod=args.append_eod,
+            progress=args.progress,
+            skip_bad_lines=args.skip_bad_lines,
+        )
+    except (PreprocessError, FileNotFoundError) as e:
+        print(f"engram-preprocess: {e}; nothing was written", file=sys.stderr)
+        return 1
     print(
         f"wrote {summary['prefix']}.bin/.idx: {summary['documents']} documents, "
         f"{summary['tokens']} tokens ({summary['dtype']}); tokenizer {tokenizer!r}",
         file=sys.stderr,
     )
+    if summary["bad_lines"] is not None and summary["bad_lines"].count:
+        print(f"engram-preprocess: {summary['bad_lines']}", file=sys.stderr)
     return 0
 
 

@@ -1,6 +1,5 @@
-"""Process start-up: distributed init, megatron parallel state, CPU compatibility."""
+"""Process start-up: distributed init, megatron parallel state, the megatron-core patches."""
 
-from engram_train.runtime.cpu_compat import install_cpu_compat, is_installed, uninstall_cpu_compat
 from engram_train.runtime.distributed import (
     ParallelSizes,
     destroy_distributed,
@@ -8,16 +7,32 @@ from engram_train.runtime.distributed import (
     initialize_distributed,
     set_seed,
 )
-from engram_train.runtime.megatron_fixes import apply_megatron_fixes, transformer_engine_available
+from engram_train.runtime.megatron_fixes import transformer_engine_available
+from engram_train.runtime.patches import (
+    TESTED_MEGATRON_CORE,
+    UntestedMegatronCoreError,
+    active_patches,
+    apply_megatron_fixes,
+    install_cpu_compat,
+    is_installed,
+    megatron_core_version,
+    patch_report,
+    uninstall_cpu_compat,
+)
 
 __all__ = [
+    "TESTED_MEGATRON_CORE",
     "ParallelSizes",
+    "UntestedMegatronCoreError",
+    "active_patches",
     "apply_megatron_fixes",
     "destroy_distributed",
     "device",
     "initialize_distributed",
     "install_cpu_compat",
     "is_installed",
+    "megatron_core_version",
+    "patch_report",
     "set_seed",
     "transformer_engine_available",
     "uninstall_cpu_compat",

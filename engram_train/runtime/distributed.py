@@ -7,6 +7,7 @@ present, gloo otherwise (with the CPU compatibility layer installed first).
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import random
 from dataclasses import dataclass
@@ -20,8 +21,15 @@ from engram_train.parallel.groups import (
     destroy_engram_parallel,
     initialize_engram_parallel,
 )
-from engram_train.runtime.cpu_compat import install_cpu_compat
-from engram_train.runtime.megatron_fixes import apply_megatron_fixes
+from engram_train.runtime.patches import (
+    active_patches,
+    apply_megatron_fixes,
+    install_cpu_compat,
+    megatron_core_version,
+)
+
+logger = logging.getLogger(__name__)
+_PATCHES_LOGGED = False
 
 
 @dataclass(frozen=True)
@@ -94,6 +102,8 @@ def initialize_distributed(
     """Initialize torch.distributed (from torchrun's env, or as a single process), megatron's
     parallel state and the Engram groups (``engram_train.parallel.groups``).
 
+    Applies the megatron-core patches first (``runtime/patches.py``; an untested megatron-core
+    release is refused there) and logs the active ones once, on global rank 0.
     Safe to call once per process; ``destroy_distributed`` undoes it.
     """
     cuda = torch.cuda.is_available()
@@ -115,6 +125,13 @@ def initialize_distributed(
             timeout=datetime.timedelta(minutes=timeout_minutes),
         )
     parallel.validate(dist.get_world_size())
+    global _PATCHES_LOGGED
+    if dist.get_rank() == 0 and not _PATCHES_LOGGED:
+        _PATCHES_LOGGED = True
+        logger.info(
+            "megatron-core %s; patches active: %s",
+            megatron_core_version(), ", ".join(active_patches()) or "none",
+        )
 
     from megatron.core import parallel_state
 

@@ -1,18 +1,18 @@
-"""Fixes for megatron-core 0.16.1 bugs that appear when Transformer Engine is absent.
+"""Repairs of megatron-core bugs: the bodies, probes and host conditions of those patches.
 
-These are independent of the device: they apply on any host without TE (a CPU box, or a
-GPU box running the local spec). Each fix is a one-line attribute assignment on the
-megatron module that has the bug; nothing is replaced when TE is importable.
-Tracks megatron-core 0.16.1.
+Which releases each repair is for, and why, is declared in ``runtime/patches.py`` (the patch
+registry); nothing here runs except through it. The bugs show without Transformer Engine (a
+CPU host, or a GPU host on the local spec) or with torch Adam (megatron's fallback when
+neither TE nor Apex provides a fused Adam), on any device.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 
 import torch
-
-_APPLIED = False
 
 
 def transformer_engine_available() -> bool:
@@ -25,28 +25,56 @@ def transformer_engine_available() -> bool:
         return False
 
 
-def apply_megatron_fixes() -> None:
-    """Idempotently patch the known TE-absent bugs of megatron-core 0.16.1."""
-    global _APPLIED
-    if _APPLIED or transformer_engine_available():
-        return
-    from megatron.core.transformer import multi_latent_attention
+def uses_torch_adam() -> bool:
+    """megatron's optimizer falls back to torch Adam (no TE or Apex fused Adam)."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    return not distrib_optimizer.HAVE_APEX_OR_TE
+
+
+# ----------------------------------------------------------------- probes (still needed?)
+
+
+def has_cuda_rng_state_helpers() -> bool:
+    from megatron.core.tensor_parallel import random as mp_random
+
+    return hasattr(mp_random, "_get_cuda_rng_state") and hasattr(mp_random, "_set_cuda_rng_state")
+
+
+def te_general_gemm_unbound() -> bool:
     from megatron.core.transformer.moe import moe_utils
 
-    # moe_utils.router_gating_linear reads `te_general_gemm`, which is only bound when the TE
-    # import succeeds: without TE it raises NameError instead of taking the torch.mm path.
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
-    # multi_latent_attention sets HAVE_TE = True even though its TELinear is a stand-in, and
-    # `isinstance(x, TELinear)` then raises TypeError. Without TE the flag must read False.
-    multi_latent_attention.HAVE_TE = False
-    _fix_torch_adam_step_on_load()
-    _fix_load_into_fresh_torch_adam()
-    _fix_shared_torch_adam_step_after_load()
-    _APPLIED = True
+    return not hasattr(moe_utils, "te_general_gemm")
 
 
-def _fix_shared_torch_adam_step_after_load() -> None:
+def mla_have_te_wrong() -> bool:
+    from megatron.core.transformer import multi_latent_attention
+
+    return multi_latent_attention.HAVE_TE is True
+
+
+# ----------------------------------------------------------------------------- bodies
+
+
+def bind_te_general_gemm(ctx) -> None:
+    """``moe_utils.router_gating_linear`` reads ``te_general_gemm``, which is only bound when
+    the TE import succeeds: without TE it raises NameError instead of taking the torch.mm path.
+    """
+    from megatron.core.transformer.moe import moe_utils
+
+    ctx.set(moe_utils, "te_general_gemm", None)
+
+
+def clear_mla_have_te(ctx) -> None:
+    """``multi_latent_attention`` sets HAVE_TE = True even though its TELinear is a stand-in,
+    and ``isinstance(x, TELinear)`` then raises TypeError. Without TE the flag must read False.
+    """
+    from megatron.core.transformer import multi_latent_attention
+
+    ctx.set(multi_latent_attention, "HAVE_TE", False)
+
+
+def unshare_torch_adam_step(ctx) -> None:
     """``DistributedOptimizer.load_state_dict`` gives every parameter's torch Adam state the
     *same* ``step`` tensor (its HybridDeviceOptimizer branch clones, the plain one does not).
     torch Adam increments ``step`` in place per parameter, so after a resume the shared counter
@@ -57,6 +85,7 @@ def _fix_shared_torch_adam_step_after_load() -> None:
 
     original = DistributedOptimizer.load_state_dict
 
+    @functools.wraps(original)
     def load_state_dict(self, state_dict):
         result = original(self, state_dict)
         for state in self.optimizer.state.values():
@@ -65,10 +94,10 @@ def _fix_shared_torch_adam_step_after_load() -> None:
                 state["step"] = step.detach().clone()
         return result
 
-    DistributedOptimizer.load_state_dict = load_state_dict
+    ctx.set(DistributedOptimizer, "load_state_dict", load_state_dict)
 
 
-def _fix_load_into_fresh_torch_adam() -> None:
+def init_states_before_load(ctx) -> None:
     """``DistributedOptimizer.sharded_state_dict(is_loading=True)`` calls ``self.state_dict()``,
     which with torch Adam asserts that the per-parameter ``step`` exists: loading a checkpoint
     into a freshly built optimizer (the normal resume) fails. megatron's own
@@ -79,6 +108,7 @@ def _fix_load_into_fresh_torch_adam() -> None:
 
     original = DistributedOptimizer.sharded_state_dict
 
+    @functools.wraps(original)
     def sharded_state_dict(self, model_sharded_state_dict=None, is_loading=False, *args, **kwargs):
         if is_loading and len(self.optimizer.state) == 0:
             self._init_optimizer_states_with_dummy_values()
@@ -86,10 +116,10 @@ def _fix_load_into_fresh_torch_adam() -> None:
             model_sharded_state_dict = {}
         return original(self, model_sharded_state_dict, is_loading, *args, **kwargs)
 
-    DistributedOptimizer.sharded_state_dict = sharded_state_dict
+    ctx.set(DistributedOptimizer, "sharded_state_dict", sharded_state_dict)
 
 
-def _fix_torch_adam_step_on_load() -> None:
+def keep_torch_adam_step_on_load(ctx) -> None:
     """Without TE/Apex, megatron falls back to torch Adam, which keeps a per-parameter ``step``
     tensor in its state. ``DistributedOptimizer._set_main_param_and_optimizer_states`` copies
     every key of the destination state from the loaded tensors, but the reshardable loaders drop
@@ -100,6 +130,7 @@ def _fix_torch_adam_step_on_load() -> None:
 
     original = DistributedOptimizer._set_main_param_and_optimizer_states
 
+    @functools.wraps(original)
     def _set_main_param_and_optimizer_states(self, model_param, tensors):
         if "step" not in tensors and not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
             group_index, group_order = self.model_param_group_index_map[model_param]
@@ -109,4 +140,39 @@ def _fix_torch_adam_step_on_load() -> None:
                 tensors = dict(tensors, step=state["step"])
         return original(self, model_param, tensors)
 
-    DistributedOptimizer._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
+    ctx.set(
+        DistributedOptimizer, "_set_main_param_and_optimizer_states",
+        _set_main_param_and_optimizer_states,
+    )
+
+
+def blended_dataset_rank_zero_alone(ctx) -> None:
+    """``BlendedDataset._build_indices`` calls ``torch.distributed.get_rank()`` on a cache miss
+    even when no process group exists (``GPTDataset`` checks ``is_initialized()`` first), so a
+    weighted blend could not be built in a single process. Without a process group, the build
+    runs with ``get_rank()`` answering 0; nothing changes when a process group exists.
+    """
+    from megatron.core.datasets.blended_dataset import BlendedDataset
+
+    original = BlendedDataset._build_indices
+
+    @functools.wraps(original)
+    def _build_indices(self):
+        import torch.distributed as dist
+
+        if not dist.is_available() or dist.is_initialized():
+            return original(self)
+        with _get_rank_answers_zero(dist):
+            return original(self)
+
+    ctx.set(BlendedDataset, "_build_indices", _build_indices)
+
+
+@contextlib.contextmanager
+def _get_rank_answers_zero(dist):
+    original = dist.get_rank
+    dist.get_rank = lambda group=None: 0
+    try:
+        yield
+    finally:
+        dist.get_rank = original

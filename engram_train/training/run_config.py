@@ -123,6 +123,7 @@ def validate_run_config(cfg, world_size: int, check_data: bool = True) -> None:
             )
     if check_data:
         _check_data(cfg)
+    _check_reliability(cfg)
 
 
 def _check_precision(cfg) -> None:
@@ -145,6 +146,24 @@ def _check_precision(cfg) -> None:
             f"model.engram_table_dtype={table_dtype!r} must be one of {list(ENGRAM_TABLE_DTYPES)} "
             "(bf16 tables keep float32 master rows in the Engram optimizer)"
         )
+
+
+def _check_reliability(cfg) -> None:
+    """The checkpoint/fault keys (README 'checkpoint', docs/reliability.md)."""
+    t, c = cfg.train, cfg.checkpoint
+    budget = _get(t, "nonfinite_skip_budget", 0)
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+        raise ConfigError(f"train.nonfinite_skip_budget={budget!r} must be an int >= 0 (0: stop at the first)")
+    limit = _get(t, "exit_duration_in_mins")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit <= 0):
+        raise ConfigError(f"train.exit_duration_in_mins={limit!r} must be a number of minutes > 0, or null")
+    if _get(c, "override_opt_param_scheduler") and _get(c, "use_checkpoint_opt_param_scheduler"):
+        raise ConfigError(
+            "checkpoint.override_opt_param_scheduler and checkpoint.use_checkpoint_opt_param_scheduler "
+            "are both true: choose this run's LR schedule (override) or the checkpoint's (use_checkpoint)"
+        )
+    if c.save_interval is not None and (isinstance(c.save_interval, bool) or c.save_interval < 1):
+        raise ConfigError(f"checkpoint.save_interval={c.save_interval} must be >= 1 (or null: only at the end)")
 
 
 def _check_data(cfg) -> None:

@@ -1,0 +1,351 @@
+"""Every change engram_train makes to megatron-core's behaviour at run time, in one table.
+
+A repair of an upstream bug has to stop when upstream fixes the bug, or it is applied twice
+unnoticed; a redirect for CPU hosts has to name what it redirects. Each `Patch` therefore says
+
+- ``versions``: the megatron-core releases whose behaviour it works around (a PEP 440
+  specifier such as ``">=0.16.1,<0.17"``), or ``None`` for a version-independent patch (the
+  CPU layer's redirects of torch's CUDA API, which every release relies on);
+- ``upstream``: the megatron file and function, and the behaviour worked around;
+- ``verify``: how to see that it is still needed (disable it with ``ENGRAM_DISABLE_PATCHES``
+  and watch the named failure), and ``needed``, where cheap, a probe of the installed
+  megatron-core that answers the same question at run time;
+- ``when``: the host condition it is for (no CUDA, no Transformer Engine, torch Adam).
+
+`apply_patches` decides, per patch and in this order:
+
+1. named in ``ENGRAM_DISABLE_PATCHES`` (comma-separated): not applied;
+2. version-dependent and the installed megatron-core is not one of `TESTED_MEGATRON_CORE`:
+   `UntestedMegatronCoreError`, unless ``ENGRAM_ALLOW_UNTESTED_MEGATRON=1`` (then the
+   ranges decide, with a warning);
+3. outside its version range: skipped (upstream behaves there);
+4. its host condition is false: not applied;
+5. in range but the probe finds the upstream behaviour already fixed: `RuntimeError` (the
+   range is wrong; narrow it);
+6. applied. Every attribute it sets goes through `PatchContext.set`, which records the
+   original for `revert_patches`.
+
+No other module of engram_train assigns attributes of megatron (or torch) modules.
+`active_patches()` lists what is in force; `initialize_distributed` logs it once at start-up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+from engram_train.runtime import cpu_compat, megatron_fixes
+
+logger = logging.getLogger(__name__)
+
+TESTED_MEGATRON_CORE = ("0.16.1", "0.19.2")
+"""The megatron-core releases the test suite runs against (the Makefile's lanes)."""
+
+ALLOW_UNTESTED_ENV = "ENGRAM_ALLOW_UNTESTED_MEGATRON"
+DISABLE_ENV = "ENGRAM_DISABLE_PATCHES"
+
+
+class UntestedMegatronCoreError(RuntimeError):
+    """The installed megatron-core is not one the version-dependent patches were tested on."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Patch:
+    name: str
+    versions: str | None
+    upstream: str
+    verify: str
+    apply: Callable[[PatchContext], None]
+    when: Callable[[], bool] = lambda: True
+    condition: str = "always"
+    needed: Callable[[], bool] | None = None
+
+    def covers(self, version: str) -> bool:
+        return self.versions is None or Version(version) in SpecifierSet(self.versions)
+
+
+class PatchContext:
+    """What a patch body may do: set attributes, each recorded so it can be reverted."""
+
+    def __init__(self) -> None:
+        self.changes: list[tuple[Any, str, bool, Any]] = []  # owner, name, existed, original
+
+    def set(self, owner: Any, name: str, value: Any) -> None:
+        self.changes.append((owner, name, hasattr(owner, name), getattr(owner, name, None)))
+        setattr(owner, name, value)
+
+    def revert(self) -> None:
+        while self.changes:
+            owner, name, existed, original = self.changes.pop()
+            if existed:
+                setattr(owner, name, original)
+            else:
+                delattr(owner, name)
+
+
+def _no_cuda() -> bool:
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def _no_te() -> bool:
+    return not megatron_fixes.transformer_engine_available()
+
+
+PATCHES: tuple[Patch, ...] = (
+    Patch(
+        name="cpu_cuda_redirects",
+        versions=None,
+        upstream="megatron-core assumes CUDA throughout: torch.cuda.current_device() as a "
+        "device, device='cuda' factories, torch.cuda.Stream/Event, CUDA RNG seeding, and "
+        "param.type() == 'torch.cuda.FloatTensor' in optimizer/distrib_optimizer.py and "
+        "optimizer/clip_grads.py. Redirected to the CPU (torch attributes; see docs/cpu.md).",
+        verify="on a host without CUDA, ENGRAM_DISABLE_PATCHES=cpu_cuda_redirects makes "
+        "tests/test_foundation.py fail at the first torch.cuda call",
+        apply=cpu_compat.redirect_cuda_to_cpu,
+        when=_no_cuda,
+        condition="no CUDA",
+    ),
+    Patch(
+        name="cpu_rng_tracker",
+        versions=">=0.16.1,<0.20",
+        upstream="tensor_parallel/random.py: _get_cuda_rng_state / _set_cuda_rng_state read "
+        "and write the CUDA generator for the model-parallel RNG tracker; use the CPU one.",
+        verify="ENGRAM_DISABLE_PATCHES=cpu_rng_tracker: tests/test_foundation.py fails in "
+        "model_parallel_cuda_manual_seed on a host without CUDA",
+        apply=cpu_compat.rng_tracker_on_cpu,
+        when=_no_cuda,
+        condition="no CUDA",
+        needed=megatron_fixes.has_cuda_rng_state_helpers,
+    ),
+    Patch(
+        name="moe_te_general_gemm_unbound",
+        versions=">=0.16.1,<0.17",
+        upstream="transformer/moe/moe_utils.py: router_gating_linear reads te_general_gemm, "
+        "bound only when the Transformer Engine import succeeds (NameError without TE; "
+        "0.17 binds it to None).",
+        verify="probe: moe_utils has no attribute te_general_gemm",
+        apply=megatron_fixes.bind_te_general_gemm,
+        when=_no_te,
+        condition="no Transformer Engine",
+        needed=megatron_fixes.te_general_gemm_unbound,
+    ),
+    Patch(
+        name="mla_have_te_flag",
+        versions=">=0.16.1,<0.17",
+        upstream="transformer/multi_latent_attention.py sets HAVE_TE = True when its TE "
+        "import resolves to MagicMock stand-ins, then isinstance(x, TELinear) raises TypeError "
+        "(0.17 takes HAVE_TE from extensions/transformer_engine.py).",
+        verify="probe: multi_latent_attention.HAVE_TE is True without Transformer Engine",
+        apply=megatron_fixes.clear_mla_have_te,
+        when=_no_te,
+        condition="no Transformer Engine",
+        needed=megatron_fixes.mla_have_te_wrong,
+    ),
+    Patch(
+        name="distopt_torch_adam_step_on_load",
+        versions=">=0.16.1,<0.20",
+        upstream="optimizer/distrib_optimizer.py: DistributedOptimizer."
+        "_set_main_param_and_optimizer_states copies every destination state key from the "
+        "loaded tensors, but the reshardable loaders drop torch Adam's per-parameter 'step' "
+        "(KeyError: 'step' on every load).",
+        verify="ENGRAM_DISABLE_PATCHES=distopt_torch_adam_step_on_load: "
+        "tests/test_foundation.py::test_checkpoint_round_trip_is_exact fails with KeyError 'step'",
+        apply=megatron_fixes.keep_torch_adam_step_on_load,
+        when=megatron_fixes.uses_torch_adam,
+        condition="torch Adam (no TE/Apex fused Adam)",
+    ),
+    Patch(
+        name="distopt_load_into_fresh_torch_adam",
+        versions=">=0.16.1,<0.20",
+        upstream="optimizer/distrib_optimizer.py: DistributedOptimizer.sharded_state_dict("
+        "is_loading=True) calls state_dict(), which asserts on torch Adam's missing 'step' in "
+        "a freshly built optimizer (every resume).",
+        verify="ENGRAM_DISABLE_PATCHES=distopt_load_into_fresh_torch_adam: "
+        "tests/test_foundation.py::test_resume_continues_exactly fails in state_dict()",
+        apply=megatron_fixes.init_states_before_load,
+        when=megatron_fixes.uses_torch_adam,
+        condition="torch Adam (no TE/Apex fused Adam)",
+    ),
+    Patch(
+        name="distopt_shared_torch_adam_step",
+        versions=">=0.16.1,<0.20",
+        upstream="optimizer/distrib_optimizer.py: DistributedOptimizer.load_state_dict gives "
+        "every parameter's torch Adam state the same 'step' tensor; Adam increments it once "
+        "per parameter, so bias correction is wrong after a resume.",
+        verify="ENGRAM_DISABLE_PATCHES=distopt_shared_torch_adam_step: "
+        "tests/test_foundation.py::test_resume_continues_exactly sees losses part after resume",
+        apply=megatron_fixes.unshare_torch_adam_step,
+        when=megatron_fixes.uses_torch_adam,
+        condition="torch Adam (no TE/Apex fused Adam)",
+    ),
+    Patch(
+        name="blended_dataset_without_process_group",
+        versions=">=0.16.1,<0.18",
+        upstream="datasets/blended_dataset.py: BlendedDataset._build_indices calls "
+        "torch.distributed.get_rank() on a cache miss without checking is_initialized() "
+        "(a weighted blend cannot be built in one process; 0.18 checks).",
+        verify="ENGRAM_DISABLE_PATCHES=blended_dataset_without_process_group: the weighted "
+        "blend tests in tests/test_data.py fail with 'Default process group has not been "
+        "initialized'",
+        apply=megatron_fixes.blended_dataset_rank_zero_alone,
+    ),
+)
+
+CPU_PATCHES = ("cpu_cuda_redirects", "cpu_rng_tracker")
+MEGATRON_FIXES = (
+    "moe_te_general_gemm_unbound",
+    "mla_have_te_flag",
+    "distopt_torch_adam_step_on_load",
+    "distopt_load_into_fresh_torch_adam",
+    "distopt_shared_torch_adam_step",
+)
+DATASET_PATCHES = ("blended_dataset_without_process_group",)
+
+_BY_NAME = {p.name: p for p in PATCHES}
+_ACTIVE: dict[str, PatchContext] = {}
+_DECIDED: dict[str, str] = {}  # name -> why it is not active (for patch_report)
+
+
+def megatron_core_version() -> str:
+    """The installed megatron-core release (its distribution metadata, else package_info)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("megatron-core")
+    except metadata.PackageNotFoundError:
+        from megatron.core import package_info
+
+        return package_info.__version__
+
+
+def _untested_allowed() -> bool:
+    return os.environ.get(ALLOW_UNTESTED_ENV, "").strip().lower() in ("1", "true", "yes")
+
+
+def check_megatron_core_version(version: str | None = None) -> str:
+    """Return the installed megatron-core version if it is tested (or explicitly allowed);
+    raise `UntestedMegatronCoreError` otherwise."""
+    version = version or megatron_core_version()
+    if Version(version).public in TESTED_MEGATRON_CORE:
+        return version
+    message = (
+        f"megatron-core {version} is not tested with engram_train (tested: "
+        f"{', '.join(TESTED_MEGATRON_CORE)}). Its repairs of megatron-core bugs "
+        f"(engram_train/runtime/patches.py) are declared per release and may be missing or "
+        f"wrong on this one. Install a tested release, e.g. pip install "
+        f"'megatron-core=={TESTED_MEGATRON_CORE[-1]}', or set {ALLOW_UNTESTED_ENV}=1 to run "
+        f"anyway (each patch then applies only inside its declared version range)."
+    )
+    if not _untested_allowed():
+        raise UntestedMegatronCoreError(message)
+    warnings.warn(message, stacklevel=3)
+    return version
+
+
+def _disabled() -> set[str]:
+    names = {n.strip() for n in os.environ.get(DISABLE_ENV, "").split(",") if n.strip()}
+    unknown = names - set(_BY_NAME)
+    if unknown:
+        raise ValueError(
+            f"{DISABLE_ENV} names unknown patches {sorted(unknown)}; known: {sorted(_BY_NAME)}"
+        )
+    return names
+
+
+def apply_patches(names: Iterable[str], version: str | None = None) -> list[str]:
+    """Apply the named patches by the rules of the module docstring (idempotent); return the
+    names among them that are active afterwards. ``version`` overrides the detected
+    megatron-core version (tests)."""
+    selected = []
+    for name in names:
+        if name not in _BY_NAME:
+            raise KeyError(f"no patch named {name!r}; known: {sorted(_BY_NAME)}")
+        selected.append(_BY_NAME[name])
+    disabled = _disabled()
+    pending = [p for p in selected if p.name not in _ACTIVE and p.name not in disabled]
+    for p in selected:
+        if p.name in disabled:
+            _DECIDED[p.name] = f"disabled by {DISABLE_ENV}"
+    if any(p.versions is not None for p in pending):
+        version = check_megatron_core_version(version)
+    for patch in pending:
+        if not patch.covers(version or "0"):
+            _DECIDED[patch.name] = f"megatron-core {version} is outside {patch.versions}"
+            continue
+        if not patch.when():
+            _DECIDED[patch.name] = f"not for this host (applies with: {patch.condition})"
+            continue
+        if patch.needed is not None and not patch.needed():
+            raise RuntimeError(
+                f"patch {patch.name} declares megatron-core {patch.versions}, but the installed "
+                f"megatron-core {version} already behaves ({patch.upstream}); narrow its range "
+                f"in engram_train/runtime/patches.py"
+            )
+        ctx = PatchContext()
+        try:
+            patch.apply(ctx)
+        except BaseException:
+            ctx.revert()
+            raise
+        _ACTIVE[patch.name] = ctx
+        _DECIDED.pop(patch.name, None)
+    return [p.name for p in selected if p.name in _ACTIVE]
+
+
+def revert_patches(names: Iterable[str] | None = None) -> None:
+    """Undo the named (default: all) active patches, newest first (tests)."""
+    targets = set(_BY_NAME if names is None else names)
+    for name in reversed(list(_ACTIVE)):
+        if name in targets:
+            _ACTIVE.pop(name).revert()
+            _DECIDED.pop(name, None)
+
+
+def active_patches() -> list[str]:
+    """Names of the patches in force in this process, in the order they were applied."""
+    return list(_ACTIVE)
+
+
+def patch_report() -> list[tuple[str, str]]:
+    """``(name, status)`` for every registered patch: "active", why not, or "not requested"."""
+    return [
+        (p.name, "active" if p.name in _ACTIVE else _DECIDED.get(p.name, "not requested"))
+        for p in PATCHES
+    ]
+
+
+def describe(name: str) -> Patch:
+    return _BY_NAME[name]
+
+
+# ---------------------------------------------------------------------------- entry points
+
+
+def install_cpu_compat() -> bool:
+    """Apply the CPU layer (`CPU_PATCHES`) if CUDA is absent. True when it is in force."""
+    applied = apply_patches(CPU_PATCHES)
+    return "cpu_cuda_redirects" in applied
+
+
+def uninstall_cpu_compat() -> None:
+    """Restore every attribute the CPU layer replaced (tests)."""
+    revert_patches(CPU_PATCHES)
+
+
+def is_installed() -> bool:
+    """Whether the CPU layer is in force."""
+    return "cpu_cuda_redirects" in _ACTIVE
+
+
+def apply_megatron_fixes() -> list[str]:
+    """Apply the repairs of megatron-core bugs (`MEGATRON_FIXES`); return the active ones."""
+    return apply_patches(MEGATRON_FIXES)

@@ -1,0 +1,241 @@
+"""The run identity: what a checkpoint records so that a resume cannot silently change meaning.
+
+Three parts, each compared on resume with a clear error that names the config key, both values
+and the override that accepts the change:
+
+- ``engram``: everything that decides which table row a token's n-gram reads (seed, the
+  compressed tokenizer's digest and size, N, H, layer ids, the table primes, the pad id, the
+  hash multipliers) and the Engram shapes. A change re-hashes tokens into rows trained for other
+  n-grams. Override: ``checkpoint.load_engram=false`` (keep the backbone, start Engram afresh).
+- ``model``: the backbone fields that decide parameter shapes. No override: a checkpoint's
+  shapes cannot change.
+- the LR schedule (megatron's ``OptimizerParamScheduler`` state, saved in every checkpoint).
+  As in Megatron-LM: ``checkpoint.override_opt_param_scheduler`` takes this run's schedule,
+  ``checkpoint.use_checkpoint_opt_param_scheduler`` keeps the checkpoint's; without either a
+  difference is an error (a longer ``train_iters`` would otherwise run at ``min_lr``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Mapping
+
+import numpy as np
+
+# Backbone config fields that decide parameter shapes (those a config lacks are recorded as None).
+SHAPE_FIELDS = (
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "kv_channels",
+    "multi_latent_attention",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_head_dim",
+    "qk_pos_emb_head_dim",
+    "v_head_dim",
+    "num_moe_experts",
+    "moe_ffn_hidden_size",
+    "moe_shared_expert_intermediate_size",
+    "moe_layer_freq",
+    "gated_linear_unit",
+    "add_bias_linear",
+    "add_qkv_bias",
+    "normalization",
+    "qk_layernorm",
+    "mtp_num_layers",
+)
+ENGRAM_FIELDS = (
+    "engram_seed",
+    "engram_layer_ids",
+    "max_ngram_size",
+    "n_head_per_ngram",
+    "n_embed_per_ngram",
+    "engram_vocab_size",
+    "engram_pad_id",
+    "engram_kernel_size",
+    "engram_hc_mult",
+    "engram_reset_at_eos",
+    "engram_eos_id",
+)
+# What each derived Engram entry depends on, for the error message.
+ENGRAM_DERIVED = {
+    "tokenizer": "model.engram_tokenizer_name_or_path (the compressed vocabulary)",
+    "primes": "the table primes (from model.engram_vocab_size, n_head_per_ngram, engram_layer_ids)",
+    "multipliers_sha256": "the hash multipliers (from model.engram_seed, engram_layer_ids and the "
+    "compressed vocabulary size)",
+    "compressed_pad_id": "the compressed pad id (model.engram_pad_id through the tokenizer)",
+}
+# megatron OptimizerParamScheduler.state_dict() entries -> the train keys that set them.
+SCHEDULE_KEYS = {
+    "max_lr": "train.lr",
+    "min_lr": "train.min_lr",
+    "lr_warmup_steps": "train.lr_warmup_iters",
+    "lr_decay_steps": "train.lr_decay_iters",
+    "lr_decay_style": "train.lr_decay_style",
+    "start_wd": "train.weight_decay",
+    "end_wd": "train.weight_decay",
+    "wd_incr_steps": "train.lr_decay_iters",
+    "wd_incr_style": "train.weight_decay",
+}
+_IN_SAMPLES = ("lr_warmup_steps", "lr_decay_steps", "wd_incr_steps")
+
+
+class ResumeMismatchError(ValueError):
+    """A checkpoint does not match this run; the message names each key and the override."""
+
+
+def _plain(value: Any) -> Any:
+    """JSON-comparable form (lists, not tuples/ListConfig; ints, not numpy ints)."""
+    return json.loads(json.dumps(value, default=lambda v: v.tolist() if hasattr(v, "tolist") else list(v)))
+
+
+def engram_identity(config, mapping) -> dict:
+    """The Engram hash identity of ``config``, read from the `NgramHashMapping` the run uses."""
+    multipliers = np.stack([mapping.multipliers[layer] for layer in mapping.layer_ids])
+    return _plain(
+        {
+            **{name: getattr(config, name) for name in ENGRAM_FIELDS},
+            "tokenizer": {
+                "lookup_sha256": hashlib.sha256(
+                    np.ascontiguousarray(mapping.lookup, dtype="<i8").tobytes()
+                ).hexdigest(),
+                "compressed_vocab_size": int(mapping.compressed_vocab_size),
+                "raw_vocab_size": int(mapping.num_raw_ids),
+            },
+            "compressed_pad_id": int(mapping.pad_id),
+            "primes": {str(layer): mapping.primes[layer].tolist() for layer in mapping.layer_ids},
+            "multipliers_sha256": hashlib.sha256(
+                np.ascontiguousarray(multipliers, dtype="<i8").tobytes()
+            ).hexdigest(),
+        }
+    )
+
+
+def model_identity(config, padded_vocab_size: int) -> dict:
+    shape = {name: getattr(config, name, None) for name in SHAPE_FIELDS}
+    shape["padded_vocab_size"] = int(padded_vocab_size)
+    return _plain(shape)
+
+
+def run_identity(config, padded_vocab_size: int, mapping=None) -> dict:
+    """``{"model": ..., "use_engram": bool, "engram": ... or None}`` for a manifest."""
+    use = bool(getattr(config, "use_engram", False))
+    if use and mapping is None:
+        raise ValueError("run_identity: an Engram run needs its NgramHashMapping")
+    return {
+        "model": model_identity(config, padded_vocab_size),
+        "use_engram": use,
+        "engram": engram_identity(config, mapping) if use else None,
+    }
+
+
+def _show(value: Any, limit: int = 60) -> str:
+    text = json.dumps(value) if not isinstance(value, str) else value
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _diff(saved: Mapping, current: Mapping) -> list[tuple[str, Any, Any]]:
+    return [(k, saved.get(k), current.get(k)) for k in sorted(set(saved) | set(current))
+            if saved.get(k) != current.get(k)]
+
+
+def check_run_identity(saved: Mapping | None, current: Mapping, *, load_engram: bool, where: str) -> None:
+    """Raise `ResumeMismatchError` listing every difference (a no-op for ``saved`` None:
+    checkpoints saved before identities were recorded)."""
+    if not saved:
+        return
+    lines: list[str] = []
+    for key, old, new in _diff(saved.get("model") or {}, current["model"]):
+        if key == "padded_vocab_size":
+            what = "data.tokenizer (vocabulary size, padded to a multiple of 128 x tensor parallel)"
+        else:
+            what = f"model.{key}"
+        lines.append(
+            f"{what}: {_show(old)} in the checkpoint, {_show(new)} here. Parameter shapes cannot "
+            f"change on resume: use the checkpoint's value, or start a new run"
+        )
+    was, now = bool(saved.get("use_engram")), bool(current.get("use_engram"))
+    if not load_engram:
+        pass
+    elif was != now:
+        if now:
+            lines.append(
+                "model.use_engram: the checkpoint was saved without Engram, this run has "
+                "use_engram=true. To add Engram to this model (backbone weights and optimizer "
+                "state loaded, Engram initialised afresh, schedule continued) set "
+                "checkpoint.load_engram=false (docs/engram-integration.md, continued pretraining)"
+            )
+        else:
+            lines.append(
+                "model.use_engram: the checkpoint has Engram, this run has use_engram=false. To "
+                "drop Engram and keep the backbone set checkpoint.load_engram=false"
+            )
+    elif now:
+        changes = _diff(saved.get("engram") or {}, current["engram"])
+        if any(key in ENGRAM_FIELDS or key == "tokenizer" for key, _, _ in changes):
+            # what is derived from a changed setting says nothing new
+            changes = [c for c in changes if c[0] in ENGRAM_FIELDS or c[0] == "tokenizer"]
+        for key, old, new in changes:
+            what = ENGRAM_DERIVED.get(key, f"model.{key}")
+            fix = (
+                f"resume with model.{key}={_show(old)}" if key in ENGRAM_FIELDS
+                else "resume with the checkpoint's Engram settings"
+            )
+            lines.append(
+                f"{what}: {_show(old)} in the checkpoint, {_show(new)} here. Tokens would hash to "
+                f"rows trained for other n-grams: {fix}, or set checkpoint.load_engram=false to "
+                "keep the backbone and start Engram afresh"
+            )
+    if lines:
+        raise ResumeMismatchError(
+            f"checkpoint {where} does not match this run:\n  - " + "\n  - ".join(lines)
+        )
+
+
+def check_schedule(
+    saved: Mapping | None,
+    current: Mapping,
+    *,
+    override: bool,
+    use_checkpoint: bool,
+    global_batch_size: int,
+    lr_decay_iters_set: bool,
+    where: str,
+) -> None:
+    """Compare two megatron ``OptimizerParamScheduler.state_dict()``s (``num_steps`` aside).
+
+    Megatron-LM's rule: with ``override`` this run's values win, with ``use_checkpoint`` the
+    checkpoint's; with neither they must be equal, else `ResumeMismatchError` names the key.
+    """
+    if not saved or override or use_checkpoint:
+        return
+    lines = []
+    named = set()
+    for key, old, new in _diff({k: v for k, v in saved.items() if k != "num_steps"},
+                               {k: v for k, v in current.items() if k != "num_steps"}):
+        name = SCHEDULE_KEYS.get(key, f"scheduler {key}")
+        if key in ("lr_decay_steps", "wd_incr_steps") and not lr_decay_iters_set:
+            name = "train.train_iters (the LR decays over train_iters while train.lr_decay_iters is null)"
+        if name in named:  # one line per key (weight decay and its steps follow lr/decay)
+            continue
+        named.add(name)
+        if key in _IN_SAMPLES and isinstance(old, (int, float)) and isinstance(new, (int, float)):
+            shown = (
+                f"{old:g} samples (~{old / global_batch_size:g} iterations of {global_batch_size}) in "
+                f"the checkpoint, {new:g} (~{new / global_batch_size:g}) here"
+            )
+        else:
+            shown = f"{_show(old)} in the checkpoint, {_show(new)} here"
+        lines.append(f"{name}: {shown}")
+    if lines:
+        raise ResumeMismatchError(
+            f"checkpoint {where} was saved with another LR schedule:\n  - " + "\n  - ".join(lines)
+            + "\nChoose: checkpoint.override_opt_param_scheduler=true follows this run's schedule "
+            "from the checkpoint's sample count on (the LR moves to where the new schedule is "
+            "there); checkpoint.use_checkpoint_opt_param_scheduler=true keeps the checkpoint's "
+            "(iterations past its decay length run at its min_lr); or resume with the old values."
+        )

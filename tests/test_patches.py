@@ -1,0 +1,251 @@
+"""The patch registry: version rules, the active list, and that each range matches upstream."""
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engram_train.runtime import patches
+from engram_train.runtime.patches import (
+    ALLOW_UNTESTED_ENV,
+    DISABLE_ENV,
+    TESTED_MEGATRON_CORE,
+    Patch,
+    UntestedMegatronCoreError,
+    apply_patches,
+    check_megatron_core_version,
+    megatron_core_version,
+    patch_report,
+    revert_patches,
+)
+
+# What each tested release needs, from the probes and the tests named in each patch's `verify`.
+# (The CPU patches are exercised in subprocesses below: they would change this process's torch.)
+EXPECTED_FIXES = {
+    "0.16.1": [
+        "moe_te_general_gemm_unbound",
+        "mla_have_te_flag",
+        "distopt_torch_adam_step_on_load",
+        "distopt_load_into_fresh_torch_adam",
+        "distopt_shared_torch_adam_step",
+        "blended_dataset_without_process_group",
+    ],
+    "0.19.2": [
+        "distopt_torch_adam_step_on_load",
+        "distopt_load_into_fresh_torch_adam",
+        "distopt_shared_torch_adam_step",
+    ],
+}
+NON_CPU = [p.name for p in patches.PATCHES if p.name not in patches.CPU_PATCHES]
+
+
+@pytest.fixture
+def clean_registry(monkeypatch):
+    """Run with none of the non-CPU patches active; restore what was active afterwards."""
+    monkeypatch.delenv(ALLOW_UNTESTED_ENV, raising=False)
+    monkeypatch.delenv(DISABLE_ENV, raising=False)
+    before = [n for n in patches.active_patches() if n in NON_CPU]
+    revert_patches(NON_CPU)
+    yield
+    monkeypatch.delenv(ALLOW_UNTESTED_ENV, raising=False)
+    monkeypatch.delenv(DISABLE_ENV, raising=False)
+    revert_patches(NON_CPU)
+    apply_patches(before)
+
+
+def test_installed_release_is_a_tested_lane():
+    assert set(EXPECTED_FIXES) == set(TESTED_MEGATRON_CORE)
+    assert megatron_core_version() in TESTED_MEGATRON_CORE
+
+
+def test_makefile_lanes_pin_the_tested_releases():
+    makefile = Path(__file__).resolve().parents[1] / "Makefile"
+    pins = re.findall(r"^MEGATRON_CORE := (\S+)$", makefile.read_text(), re.M)
+    assert tuple(pins) == TESTED_MEGATRON_CORE
+
+
+def test_active_fixes_on_this_release_are_the_expected_ones(clean_registry):
+    version = megatron_core_version()
+    active = apply_patches(NON_CPU)
+    assert active == EXPECTED_FIXES[version]
+    assert [n for n in patches.active_patches() if n in NON_CPU] == EXPECTED_FIXES[version]
+    report = dict(patch_report())
+    for name in NON_CPU:
+        if name in active:
+            assert report[name] == "active"
+        else:
+            assert report[name] == f"megatron-core {version} is outside {patches.describe(name).versions}"
+
+
+def test_patches_outside_their_range_are_fixed_upstream(clean_registry):
+    """Each probe says whether the upstream behaviour is still there: it must agree with the
+    declared range on this release, or the range is wrong."""
+    version = megatron_core_version()
+    probed = [p for p in patches.PATCHES if p.needed is not None]
+    assert {p.name for p in probed} >= {"moe_te_general_gemm_unbound", "mla_have_te_flag"}
+    for patch in probed:
+        assert patch.needed() == patch.covers(version), patch.name
+
+
+def test_unknown_release_is_refused_with_the_tested_ones_and_the_override(clean_registry):
+    with pytest.raises(UntestedMegatronCoreError) as err:
+        apply_patches(["distopt_shared_torch_adam_step"], version="0.20.0")
+    message = str(err.value)
+    assert "megatron-core 0.20.0 is not tested" in message
+    for tested in TESTED_MEGATRON_CORE:
+        assert tested in message
+    assert f"{ALLOW_UNTESTED_ENV}=1" in message
+    assert patches.active_patches() == [n for n in patches.active_patches() if n in patches.CPU_PATCHES]
+    with pytest.raises(UntestedMegatronCoreError):
+        check_megatron_core_version("0.18.2")
+    assert check_megatron_core_version("0.19.2") == "0.19.2"
+
+
+def test_override_applies_by_range_and_warns(clean_registry, monkeypatch):
+    monkeypatch.setenv(ALLOW_UNTESTED_ENV, "1")
+    with pytest.warns(UserWarning, match="not tested"):
+        active = apply_patches(["distopt_shared_torch_adam_step"], version="0.20.0")
+    assert active == []
+    assert dict(patch_report())["distopt_shared_torch_adam_step"] == (
+        "megatron-core 0.20.0 is outside >=0.16.1,<0.20"
+    )
+
+
+def test_version_independent_patch_needs_no_tested_release(clean_registry, monkeypatch):
+    calls = []
+    free = Patch("free", None, "nothing upstream", "n/a", apply=lambda ctx: calls.append(1))
+    monkeypatch.setitem(patches._BY_NAME, "free", free)
+    assert apply_patches(["free"], version="9.9.9") == ["free"]
+    assert apply_patches(["free"], version="9.9.9") == ["free"]  # idempotent
+    assert calls == [1]
+    revert_patches(["free"])
+
+
+def test_in_range_patch_whose_bug_is_gone_fails_loudly(clean_registry, monkeypatch):
+    stale = Patch(
+        "stale", ">=0.16.1,<0.20", "x.py: f", "n/a", apply=lambda ctx: None, needed=lambda: False
+    )
+    monkeypatch.setitem(patches._BY_NAME, "stale", stale)
+    with pytest.raises(RuntimeError, match="stale declares megatron-core >=0.16.1,<0.20.*narrow"):
+        apply_patches(["stale"])
+    assert "stale" not in patches.active_patches()
+
+
+def test_disabled_patches_are_reported_and_unknown_names_refused(clean_registry, monkeypatch):
+    monkeypatch.setenv(DISABLE_ENV, "distopt_shared_torch_adam_step")
+    assert apply_patches(["distopt_shared_torch_adam_step"]) == []
+    assert dict(patch_report())["distopt_shared_torch_adam_step"] == f"disabled by {DISABLE_ENV}"
+    monkeypatch.setenv(DISABLE_ENV, "no_such_patch")
+    with pytest.raises(ValueError, match="unknown patches .*no_such_patch"):
+        apply_patches(["distopt_shared_torch_adam_step"])
+    with pytest.raises(KeyError, match="no patch named"):
+        apply_patches(["no_such_patch"])
+
+
+def test_revert_restores_the_originals(clean_registry):
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.transformer.moe import moe_utils
+
+    originals = {n: DistributedOptimizer.__dict__[n] for n in ("load_state_dict", "sharded_state_dict")}
+    had_gemm = hasattr(moe_utils, "te_general_gemm")
+    apply_patches(NON_CPU)
+    assert DistributedOptimizer.__dict__["load_state_dict"] is not originals["load_state_dict"]
+    assert hasattr(moe_utils, "te_general_gemm")
+    revert_patches(NON_CPU)
+    for name, original in originals.items():
+        assert DistributedOptimizer.__dict__[name] is original
+    assert hasattr(moe_utils, "te_general_gemm") == had_gemm
+
+
+def test_every_patch_names_its_upstream_behaviour_and_a_check():
+    for patch in patches.PATCHES:
+        assert patch.upstream and patch.verify, patch.name
+        if patch.versions is not None:
+            assert any(patch.covers(v) for v in TESTED_MEGATRON_CORE), patch.name
+            assert not patch.covers("99.0"), f"{patch.name}: open-ended range"
+
+
+PATCH_MODULES = {"patches.py", "cpu_compat.py", "megatron_fixes.py"}
+
+
+def _module_attribute_assignments(path: Path) -> list[str]:
+    """`x.attr = ...` / `setattr(x, ...)` where x names an imported module (megatron or torch)."""
+    tree = ast.parse(path.read_text())
+    modules = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            modules |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in (
+            "megatron", "torch"
+        ):
+            modules |= {a.asname or a.name for a in node.names}
+    found = []
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else []
+        for target in targets:
+            base = target
+            while isinstance(base, ast.Attribute):
+                base = base.value
+            if isinstance(target, ast.Attribute) and isinstance(base, ast.Name) and base.id in modules:
+                found.append(f"{path.name}:{node.lineno}")
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setattr":
+            first = node.args[0] if node.args else None
+            if isinstance(first, ast.Name) and first.id in modules:
+                found.append(f"{path.name}:{node.lineno}")
+    return found
+
+
+# Files still swapping a megatron global while the model's seam moves to megatron's own decoder
+# kwargs (issue 14, item 1). An entry whose file no longer swaps anything fails the test below:
+# delete it then.
+PENDING_SEAM_REMOVAL: set[str] = set()  # the decoder-class swap in models/engram_gpt.py is gone
+
+
+def test_no_megatron_or_torch_attribute_is_replaced_outside_the_registry():
+    root = Path(patches.__file__).resolve().parents[1]
+    offenders, pending = [], set()
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if path.parent.name == "runtime" and path.name in PATCH_MODULES:
+            continue
+        found = _module_attribute_assignments(path)
+        if rel in PENDING_SEAM_REMOVAL:
+            pending |= {rel} if found else set()
+            continue
+        offenders += found
+    assert offenders == [], f"module attributes assigned outside runtime/patches.py: {offenders}"
+    assert pending == {r for r in PENDING_SEAM_REMOVAL if (root / r).exists()}, (
+        "a file in PENDING_SEAM_REMOVAL no longer swaps a module attribute: remove it from the set"
+    )
+
+
+LOG_ACTIVE = """
+import logging, sys
+logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(name)s %(message)s")
+from engram_train.runtime import active_patches, destroy_distributed, initialize_distributed
+for _ in range(2):
+    initialize_distributed()
+    destroy_distributed()
+print("ACTIVE", ",".join(active_patches()))
+"""
+
+
+def test_initialize_distributed_applies_and_logs_the_active_patches_once():
+    proc = subprocess.run(
+        [sys.executable, "-c", LOG_ACTIVE], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    version = megatron_core_version()
+    expected = ["cpu_cuda_redirects", "cpu_rng_tracker"] + [
+        n for n in EXPECTED_FIXES[version] if n in patches.MEGATRON_FIXES
+    ]
+    lines = proc.stdout.splitlines()
+    assert f"ACTIVE {','.join(expected)}" in lines
+    logged = [line for line in lines if "patches active" in line]
+    assert logged == [
+        f"engram_train.runtime.distributed megatron-core {version}; patches active: "
+        + ", ".join(expected)
+    ]
