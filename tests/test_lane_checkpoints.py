@@ -37,4 +37,4 @@ def test_checkpoint_from_each_lane_resumes_exactly(loaded, fixture):
         assert got["iteration"] == expected["iteration"]
         assert got["extra"] == {"written_by": "lane"}
         # Saved on one rank, resumed on two: only the data-parallel reduction order differs.
-        assert got["next_loss"] == pytest.approx(expected["next_loss"], rel=1e-6)
+        assert got["next_losses"] == pytest.approx(expected["next_losses"], rel=1e-6)

@@ -4,12 +4,13 @@
     .venv/bin/python tests/dist/lane_checkpoint.py save tests/data/lane_checkpoints/mcore0.16.1
     .venv-mcore0.19/bin/python tests/dist/lane_checkpoint.py save tests/data/lane_checkpoints/mcore0.19.2
 trains a small Engram model (MLA + MoE, Engram on layer 1) with the distributed optimizer for
-two steps, saves model + optimizer, and records the loss of the third step in
-``DIR/expected.json`` with the versions that wrote it.
+two steps, saves model + optimizer, and records the losses of the next two steps in
+``DIR/expected.json`` with the versions that wrote it (the second one depends on the restored
+Adam moments and step counts).
 
 ``--out OUT`` (under torchrun, 2 processes = data parallel 2): loads each fixture under
 tests/data/lane_checkpoints into a fresh model and optimizer and reports the iteration, the
-extra state and the loss of the next step, which must match the recorded one.
+extra state and the losses of the next two steps, which must match the recorded ones.
 """
 
 import json
@@ -30,6 +31,7 @@ SMALL = dict(
 )
 GLOBAL_BATCH = 4
 SAVED_AT = 2
+RESUMED_STEPS = 2
 
 
 def build():
@@ -70,7 +72,8 @@ def save(directory: Path) -> None:
     save_checkpoint(directory, SAVED_AT, model, optimizer, extra={"written_by": "lane"})
     versions = {d: metadata.version(d) for d in ("megatron-core", "torch")}
     versions["python"] = ".".join(map(str, sys.version_info[:3]))
-    expected = dict(next_loss=step(model, optimizer), iteration=SAVED_AT, versions=versions)
+    next_losses = [step(model, optimizer) for _ in range(RESUMED_STEPS)]
+    expected = dict(next_losses=next_losses, iteration=SAVED_AT, versions=versions)
     (directory / "expected.json").write_text(json.dumps(expected, indent=1) + "\n")
 
 
@@ -83,7 +86,8 @@ def load_all(out: str) -> None:
     for fixture in sorted(p for p in FIXTURES.iterdir() if p.is_dir()):
         model, optimizer = build()
         iteration, extra = load_checkpoint(fixture, model, optimizer)
-        result[fixture.name] = dict(iteration=iteration, extra=extra, next_loss=step(model, optimizer))
+        next_losses = [step(model, optimizer) for _ in range(RESUMED_STEPS)]
+        result[fixture.name] = dict(iteration=iteration, extra=extra, next_losses=next_losses)
     write_result(out, result)
 
 
