@@ -20,6 +20,7 @@ EVERY_LANE = {
     "test_runtime.py",
     "test_patches.py",
     "test_lane_checkpoints.py",
+    "test_reliability_checkpoint.py",
 }
 
 
