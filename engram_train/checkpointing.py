@@ -640,8 +640,10 @@ def load_checkpoint_dir(
         state["iteration"] = None
         state["extra"] = None
         loaded = dist_checkpointing.load(
-            state, str(ckpt), strict="raise_all" if strict else "assume_ok_unexpected"
+            state, str(ckpt), strict="raise_all" if strict else "assume_ok_unexpected",
+            **_embedded_common_state_load(ckpt, state),
         )
+        loaded.pop(EMBEDDED_COMMON_STATE, None)
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as e:
@@ -662,6 +664,50 @@ def _check_loaded(ckpt: Path, model) -> None:
             "or saved before manifests existed). Use another checkpoint; with verification on, "
             "checkpoint.load_fallback=true passes over damaged ones"
         )
+
+
+# megatron-core 0.19 stores a checkpoint's common (non-tensor) state as one ShardedObject of this
+# key inside the torch_dist files instead of ``common.pt``; 0.16 reads only ``common.pt``.
+EMBEDDED_COMMON_STATE = "common_state"
+
+
+def _embedded_common_state_load(ckpt: Path, state: dict[str, Any]) -> dict[str, Any]:
+    """Extra ``dist_checkpointing.load`` arguments that let megatron-core < 0.19 read a
+    checkpoint written by 0.19 (docs/megatron-versions.md); nothing for other checkpoints.
+
+    The common state is read from the embedded object (a common-load strategy, megatron's own
+    extension point), and ``state`` requests that object too, so that a strict load does not
+    count it as a checkpoint key the model lacks (its loaded copy is dropped).
+    """
+    from packaging.version import Version
+
+    from engram_train.runtime import megatron_core_version
+
+    if (ckpt / "common.pt").exists() or Version(megatron_core_version()) >= Version("0.19"):
+        return {}
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
+
+    class EmbeddedCommonLoad(TorchCommonLoadStrategy):
+        def load_common(self, checkpoint_dir):
+            import io
+
+            from torch.distributed.checkpoint import FileSystemReader
+            from torch.distributed.checkpoint import load as dcp_load
+
+            key = ShardedObject(EMBEDDED_COMMON_STATE, None, (1,), (0,)).unique_key
+            buffers = {key: io.BytesIO()}
+            dcp_load(buffers, storage_reader=FileSystemReader(str(checkpoint_dir)), no_dist=True)
+            loaded = buffers[key]
+            if isinstance(loaded, io.BytesIO):
+                loaded.seek(0)
+                loaded = torch.load(loaded, weights_only=True)
+            return loaded[0]
+
+    state[EMBEDDED_COMMON_STATE] = ShardedObject(
+        EMBEDDED_COMMON_STATE, None, (1,), (0,), replica_id=dist.get_rank()
+    )
+    return {"common_strategy": EmbeddedCommonLoad()}
 
 
 def load_checkpoint(
@@ -764,7 +810,10 @@ def _load_without_engram(ckpt: Path, model, optimizer) -> tuple[int, dict[str, A
     state["iteration"] = None
     state["extra"] = None
 
-    loaded, not_in_ckpt, not_requested = dist_checkpointing.load(state, str(ckpt), strict="return_all")
+    loaded, not_in_ckpt, not_requested = dist_checkpointing.load(
+        state, str(ckpt), strict="return_all", **_embedded_common_state_load(ckpt, state)
+    )
+    loaded.pop(EMBEDDED_COMMON_STATE, None)
     not_in_ckpt = sorted(k for k in not_in_ckpt if ENGRAM_KEY_PART not in k)
     not_requested = sorted(k for k in not_requested if ENGRAM_KEY_PART not in k)
     if not_in_ckpt or not_requested:

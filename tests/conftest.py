@@ -19,6 +19,7 @@ EVERY_LANE = {
     "test_trainer.py",
     "test_runtime.py",
     "test_patches.py",
+    "test_lane_checkpoints.py",
     "test_reliability_checkpoint.py",
 }
 

@@ -198,28 +198,14 @@ def _module_attribute_assignments(path: Path) -> list[str]:
     return found
 
 
-# Files still swapping a megatron global while the model's seam moves to megatron's own decoder
-# kwargs (issue 14, item 1). An entry whose file no longer swaps anything fails the test below:
-# delete it then.
-PENDING_SEAM_REMOVAL: set[str] = set()  # the decoder-class swap in models/engram_gpt.py is gone
-
-
 def test_no_megatron_or_torch_attribute_is_replaced_outside_the_registry():
     root = Path(patches.__file__).resolve().parents[1]
-    offenders, pending = [], set()
+    offenders = []
     for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root).as_posix()
         if path.parent.name == "runtime" and path.name in PATCH_MODULES:
             continue
-        found = _module_attribute_assignments(path)
-        if rel in PENDING_SEAM_REMOVAL:
-            pending |= {rel} if found else set()
-            continue
-        offenders += found
+        offenders += _module_attribute_assignments(path)
     assert offenders == [], f"module attributes assigned outside runtime/patches.py: {offenders}"
-    assert pending == {r for r in PENDING_SEAM_REMOVAL if (root / r).exists()}, (
-        "a file in PENDING_SEAM_REMOVAL no longer swaps a module attribute: remove it from the set"
-    )
 
 
 LOG_ACTIVE = """

@@ -1,4 +1,4 @@
-"""Train/valid/test GPT datasets with megatron-core's own builder (megatron-core 0.16.1).
+"""Train/valid/test GPT datasets with megatron-core's own builder (megatron-core 0.16.1, 0.19.2).
 
 `build_gpt_datasets` is a thin, validated front for ``BlendedMegatronDatasetBuilder`` +
 ``GPTDatasetConfig`` + ``GPTDataset``: samples, splits, blending, shuffling and the on-disk index
@@ -11,10 +11,10 @@ need the token ids too, to hash them for Engram.
 The C++ index helpers
 ---------------------
 ``GPTDataset`` builds its sample index with ``megatron.core.datasets.helpers_cpp``, a pybind11
-extension. The megatron-core 0.16.1 wheels on PyPI (CPython 3.10-3.13, manylinux x86_64 and
-aarch64) ship it prebuilt, so a fresh ``pip install`` needs no compiler. A source install
-builds it as an *optional* extension and silently goes without it when that fails, and
-megatron's ``compile_helpers()`` runs a Makefile that wheels do not ship; for that case
+extension. The megatron-core wheels on PyPI (0.16.1: CPython 3.10-3.13; 0.19.2: CPython 3.12;
+manylinux x86_64 and aarch64) ship it prebuilt, so a fresh ``pip install`` needs no compiler.
+A source install builds it as an *optional* extension and silently goes without it when that
+fails, and megatron's ``compile_helpers()`` runs a Makefile that wheels do not ship; for that case
 `ensure_dataset_helpers` compiles the ``helpers.cpp`` that every install carries, once, into
 the cache folder (needs a C++ compiler and ``pip install pybind11``), under a file lock.
 
@@ -44,7 +44,7 @@ import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
-from engram_train.runtime.patches import DATASET_PATCHES, apply_patches
+from engram_train.runtime.patches import DATASET_PATCHES, apply_patches, megatron_core_version
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +95,8 @@ def ensure_dataset_helpers(build_dir: str | os.PathLike | None = None) -> str:
     if not src.is_file():
         raise RuntimeError(
             f"megatron-core has no helpers_cpp extension and no {src.name} to build it from; "
-            "reinstall it from a wheel: pip install --force-reinstall megatron-core==0.16.1"
+            f"reinstall it from a wheel: pip install --force-reinstall "
+            f"megatron-core=={megatron_core_version()}"
         )
     digest = hashlib.sha256(src.read_bytes()).hexdigest()[:16]
     out_dir = Path(build_dir or default_cache_dir() / "helpers") / digest
@@ -121,7 +122,8 @@ def _compile_helpers(src: Path, lib: Path) -> None:
         raise RuntimeError(
             "megatron-core was installed without its C++ dataset helpers (helpers_cpp), and "
             "building them needs pybind11: `pip install pybind11` (and a C++ compiler), or "
-            "reinstall megatron-core from a wheel: pip install --force-reinstall megatron-core==0.16.1"
+            f"reinstall megatron-core from a wheel: pip install --force-reinstall "
+            f"megatron-core=={megatron_core_version()}"
         ) from None
     cxx = os.environ.get("CXX", "c++")
     tmp = lib.with_name(f"{lib.name}.{os.getpid()}.tmp")

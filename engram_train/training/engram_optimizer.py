@@ -259,6 +259,12 @@ class EngramTableOptimizer(MegatronOptimizer):
             return []
         return [values for _, values in self._row_grads]
 
+    def get_grads_for_grad_norm(self, grad_norm_group: str | None = None) -> list[torch.Tensor]:
+        # megatron-core >= 0.19's name for the hook above (ChainedOptimizer.get_grad_norm calls
+        # it when the grad-stats groups are shared); its default would filter our gradient rows
+        # as TP duplicates. No parameter here belongs to a separate grad-norm group.
+        return self.get_main_grads_for_grad_norm() if grad_norm_group is None else []
+
     def get_grad_stats_parallel_group(self) -> dist.ProcessGroup:
         return self.grad_stats_parallel_group
 

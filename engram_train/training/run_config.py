@@ -31,6 +31,13 @@ def _get(section: Mapping[str, Any], key: str, default=None):
     return section.get(key, default) if section is not None else default
 
 
+def _backbone_default(field: str):
+    """A DeepSeek-V3 backbone field's value when the model config does not set it."""
+    from engram_train.models.deepseek_v3 import DEEPSEEK_V3_COMMON
+
+    return DEEPSEEK_V3_COMMON.get(field)
+
+
 def parallel_sizes(cfg) -> ParallelSizes:
     s, m = cfg.system, cfg.model
     alltoall = _get(m, "use_engram") and _get(m, "engram_embedding_parallel_method", "alltoall") == "alltoall"
@@ -108,6 +115,16 @@ def validate_run_config(cfg, world_size: int, check_data: bool = True) -> None:
         raise ConfigError(
             "MoE with tensor_model_parallel_size > 1 needs sequence parallelism: set "
             "system.sequence_parallel: true (or auto)"
+        )
+    if (_get(m, "qk_layernorm", _backbone_default("qk_layernorm")) and p.tensor > 1
+            and not sequence_parallel(cfg)):
+        # megatron-core sums every q_layernorm gradient over the TP group; the MLA latent is
+        # replicated across TP without sequence parallelism, so that sum doubles its gradient.
+        raise ConfigError(
+            "model.qk_layernorm=true (the MLA latent norms) with "
+            "system.tensor_model_parallel_size > 1 needs system.sequence_parallel: true (or "
+            "auto): without it megatron-core sums the replicated q-latent norm's gradient over "
+            "the tensor-parallel group; or set model.qk_layernorm=false"
         )
     if _get(m, "num_moe_experts") and m.num_moe_experts % p.expert:
         raise ConfigError(
