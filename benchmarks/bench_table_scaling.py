@@ -8,6 +8,10 @@ so that they share the machine's load, and the step time of a configuration is t
 its logged iterations after ``--warmup``. Peak RSS is rank 0's (``mem (GiB) rss/max``). Bytes per
 table parameter = (peak RSS - the no-Engram run's peak RSS) / table parameters per rank.
 
+``--placements device host`` adds ``model.engram_table_placement=host`` runs (tables and their
+Adam state in host memory, rows gathered on the host; docs/host-tables.md), with their per-step
+host gather and host update times from ``metrics.jsonl``.
+
 Also reported: how much deduplication saves on the demo corpus (ids a lookup would request per
 micro-batch vs distinct rows it fetches, and per step on one data-parallel rank).
 
@@ -40,6 +44,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--scales", type=int, nargs="+", default=[1, 10, 50])
     p.add_argument("--optimizers", nargs="+", default=["sparse_adam", "adam"])
+    p.add_argument("--placements", nargs="+", default=["device"], choices=["device", "host"])
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--iters", type=int, default=30, help="iterations per run")
     p.add_argument("--warmup", type=int, default=10, help="iterations not timed")
@@ -57,11 +62,15 @@ def configurations(args) -> list[dict]:
     for scale in args.scales:
         vocab = BASE_VOCAB * scale
         for opt in args.optimizers:
-            configs.append(dict(
-                name=f"{opt}_x{scale}", scale=scale, optimizer=opt,
-                overrides=[f"model.engram_vocab_size=[{vocab},{vocab}]",
-                           f"model.engram_optimizer={opt}"],
-            ))
+            for placement in args.placements:
+                tag = "" if placement == "device" else "_host"
+                configs.append(dict(
+                    name=f"{opt}{tag}_x{scale}", scale=scale, optimizer=opt, placement=placement,
+                    base=f"{opt}{tag}_x1",
+                    overrides=[f"model.engram_vocab_size=[{vocab},{vocab}]",
+                               f"model.engram_optimizer={opt}",
+                               f"model.engram_table_placement={placement}"],
+                ))
     return configs
 
 
@@ -85,7 +94,15 @@ def run_trainer(config: dict, iters: int, nproc: int, workdir: Path) -> dict:
         raise RuntimeError(f"{config['name']} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     steps = {int(m.group(1)): float(m.group(2)) / 1000 for m in STEP_RE.finditer(proc.stdout)}
     peaks = [float(m.group(2)) for m in MEM_RE.finditer(proc.stdout)]
-    return dict(steps=steps, peak_rss_gib=max(peaks) if peaks else None, exp_dir=exp)
+    host = {}
+    metrics = exp / "metrics.jsonl"
+    if metrics.exists():
+        for line in metrics.read_text().splitlines():
+            record = json.loads(line)
+            if "engram_host_gather_s" in record:
+                host.setdefault("gather_s", {})[record["iteration"]] = record["engram_host_gather_s"]
+                host.setdefault("update_s", {})[record["iteration"]] = record["engram_host_update_s"]
+    return dict(steps=steps, peak_rss_gib=max(peaks) if peaks else None, exp_dir=exp, host=host)
 
 
 def table_params_per_rank(scale: int) -> int:
@@ -142,6 +159,7 @@ def main(argv=None) -> dict:
     configs = configurations(args)
     samples = {c["name"]: [] for c in configs}
     peaks = {c["name"]: [] for c in configs}
+    host_times = {c["name"]: {"gather_s": [], "update_s": []} for c in configs}
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(args.rounds):
             for config in configs:
@@ -151,6 +169,9 @@ def main(argv=None) -> dict:
                 got = run_trainer(config, iters, args.nproc, Path(tmp))
                 timed = [t for it, t in got["steps"].items() if it > warmup]
                 samples[config["name"]] += timed
+                for key, per_iter in got["host"].items():
+                    host_times[config["name"]][key] += [
+                        t for it, t in per_iter.items() if it > warmup]
                 peaks[config["name"]].append(got["peak_rss_gib"])
                 print(f"round {round_} {config['name']:>18}: median step "
                       f"{statistics.median(timed) * 1000:8.1f} ms, peak rss "
@@ -162,13 +183,21 @@ def main(argv=None) -> dict:
         name = config["name"]
         median = statistics.median(samples[name])
         entry = dict(name=name, scale=config["scale"], optimizer=config["optimizer"],
+                     placement=config.get("placement"),
                      median_step_s=median, steps_timed=len(samples[name]),
                      vs_no_engram=median / floor, peak_rss_gib=max(peaks[name]))
         if config["scale"]:
             params = table_params_per_rank(config["scale"])
-            base = statistics.median(samples[f"{config['optimizer']}_x1"])
+            base = statistics.median(samples[config["base"]])
             entry.update(table_params_per_rank=params, vs_x1=median / base,
                          bytes_per_table_param=(entry["peak_rss_gib"] - floor_rss) * 2**30 / params)
+        for key, values in host_times[name].items():
+            if values:
+                entry[f"host_{key}"] = statistics.median(values)
+        if config.get("placement") == "host" and config["scale"]:
+            device = f"{config['optimizer']}_x{config['scale']}"
+            if device in samples:
+                entry["vs_device"] = median / statistics.median(samples[device])
         rows.append(entry)
     print("\n| config | table params / rank | median step (s) | vs x1 | vs no Engram | "
           "peak RSS (GiB) | bytes / table param |")
@@ -178,13 +207,18 @@ def main(argv=None) -> dict:
               f"{e['median_step_s']:.3f} | {e.get('vs_x1', float('nan')):.2f}x | "
               f"{e['vs_no_engram']:.2f}x | {e['peak_rss_gib']:.2f} | "
               f"{e.get('bytes_per_table_param', float('nan')):.1f} |")
+    for e in rows:
+        if "host_gather_s" in e:
+            print(f"{e['name']}: host gather+copy {e['host_gather_s'] * 1000:.1f} ms/step, host "
+                  f"update {e['host_update_s'] * 1000:.1f} ms/step, vs device placement "
+                  f"{e.get('vs_device', float('nan')):.2f}x")
     dedup = dedup_on_demo_corpus()
     print(f"\ndedup on the demo corpus: {dedup['per_micro_batch']:.2f}x ids per distinct row "
           f"per micro-batch, {dedup['per_step']:.2f}x per step and DP rank")
     result = dict(
         benchmark="table_scaling", machine=platform.processor() or platform.machine(),
         cpus=os.cpu_count(), nproc=args.nproc, rounds=args.rounds, iters=args.iters,
-        warmup=args.warmup, results=rows, dedup=dedup,
+        warmup=args.warmup, placements=args.placements, results=rows, dedup=dedup,
     )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))

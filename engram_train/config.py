@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 EMBEDDING_PARALLEL_METHODS = ("alltoall", "allreduce")
 TABLE_OPTIMIZERS = ("sparse_adam", "adam")
 ENGRAM_TABLE_DTYPES = ("fp32", "bf16")
+TABLE_PLACEMENTS = ("device", "host")
 
 _BOOL_FIELDS = (
     "use_engram",
@@ -93,6 +94,11 @@ class EngramConfig:
     engram_optimizer: str = "sparse_adam"
     """Table optimizer: 'sparse_adam' (lazy row-wise Adam: a step costs the rows its tokens
     touch) or 'adam' (dense Adam: every row moves every step, cost scales with the table)."""
+
+    engram_table_placement: str = "device"
+    """Where the table shards live: 'device' (with the model) or 'host' (host memory, pinned
+    under CUDA, with their optimizer state; rows are gathered on the host and copied to the
+    device per lookup, gradient rows come back and the table's Adam runs on the host)."""
 
     engram_lr_multiplier: float = 5.0
     """Engram table learning rate = base learning rate x this (paper: 5)."""
@@ -268,6 +274,12 @@ class EngramConfig:
             raise ValueError(
                 f"engram_embedding_parallel_method={method!r} is unknown: use one of "
                 f"{EMBEDDING_PARALLEL_METHODS}."
+            )
+        if self.engram_table_placement not in TABLE_PLACEMENTS:
+            raise ValueError(
+                f"engram_table_placement={self.engram_table_placement!r} must be one of "
+                f"{TABLE_PLACEMENTS}: 'device' keeps the tables with the model, 'host' keeps "
+                "them (and their optimizer state) in host memory."
             )
         if self.engram_optimizer not in TABLE_OPTIMIZERS:
             raise ValueError(

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from engram_train.engram.hashing import head_offsets
+from engram_train.engram.host_table import make_host_resident
 from engram_train.engram.row_grad import gather_rows
 
 INIT_BLOCK_ROWS = 4096
@@ -88,6 +89,7 @@ class MultiHeadEmbedding(nn.Module):
     a shard can do the masked partial lookup of vocab-parallel embeddings (`lookup_rows`).
     With `parallel` (an embedding-parallel method object) the rows come from
     `parallel.row_range(num_rows)` and `forward` looks up through `parallel.lookup`.
+    `placement='host'` keeps `weight` in host memory whatever `device` is (`host_table.py`).
     """
 
     def __init__(
@@ -103,8 +105,12 @@ class MultiHeadEmbedding(nn.Module):
         parallel=None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        placement: str = "device",
     ) -> None:
         super().__init__()
+        if placement not in ("device", "host"):
+            raise ValueError(f"placement={placement!r} must be 'device' or 'host'.")
+        self.placement = placement
         self.head_sizes = [int(n) for n in head_sizes]
         self.num_heads = len(self.head_sizes)
         self.embedding_dim = int(embedding_dim)
@@ -129,9 +135,13 @@ class MultiHeadEmbedding(nn.Module):
         self.row_start, self.row_end = int(row_start), row_end
         offsets = torch.from_numpy(head_offsets(self.head_sizes))
         self.register_buffer("offsets", offsets.to(device=device))
+        on_host = placement == "host" and torch.device(device or "cpu").type != "meta"
         self.weight = nn.Parameter(
-            torch.empty((row_end - row_start, self.embedding_dim), device=device, dtype=dtype)
+            torch.empty((row_end - row_start, self.embedding_dim), dtype=dtype,
+                        device="cpu" if on_host else device)
         )
+        if on_host:
+            make_host_resident(self.weight)
         mark_engram_param(self.weight, table=True)
         self.weight.engram_parallel = parallel
         self.weight.engram_layer_id = self.layer_id
@@ -150,6 +160,7 @@ class MultiHeadEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         method = f", method={self.parallel.method}" if self.parallel is not None else ""
+        method += ", host-resident" if self.placement == "host" else ""
         return (
             f"layer_id={self.layer_id}, heads={self.num_heads}, dim={self.embedding_dim}, "
             f"rows=[{self.row_start}, {self.row_end}) of {self.num_rows}{method}"

@@ -130,6 +130,7 @@ class Engram(nn.Module):
             parallel=embedding_parallel,
             device=device,
             dtype=table_dtype,
+            placement=getattr(config, "engram_table_placement", "device"),
         )
         d, e, g = self.hidden_size, self.memory_dim, self.hc_mult
         self.value_proj = nn.Linear(e, d, **factory)

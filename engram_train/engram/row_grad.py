@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from engram_train.engram.host_table import is_host_resident, read_host_rows
+
 ROW_GRAD_ATTR = "engram_row_grad"
 
 
@@ -105,9 +107,17 @@ def deliver_row_grad(
     if accumulator is not None:
         accumulator.add(rows, grad_rows)
         return None
-    dense = grad_rows.new_zeros(weight.shape)
-    dense.index_add_(0, rows, grad_rows.to(dense.dtype))
+    dense = torch.zeros(weight.shape, dtype=grad_rows.dtype, device=weight.device)
+    dense.index_add_(0, rows.to(weight.device), grad_rows.to(weight.device, dense.dtype))
     return dense
+
+
+def read_rows(weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``weight[rows]`` on ``rows``' device, through the host staging path for a host-resident
+    table (``engram/host_table.py``). No autograd: callers route the gradient rows."""
+    if is_host_resident(weight):
+        return read_host_rows(weight, rows)
+    return torch.nn.functional.embedding(rows, weight.detach())
 
 
 class _GatherTableRows(torch.autograd.Function):
@@ -119,10 +129,10 @@ class _GatherTableRows(torch.autograd.Function):
         ctx.weight = weight  # the accumulator hangs on the parameter itself
         if owned is None:
             ctx.save_for_backward(rows)
-            return torch.nn.functional.embedding(rows, weight)
+            return read_rows(weight, rows)
         kept = rows[owned]
         ctx.save_for_backward(kept, owned)
-        values = torch.nn.functional.embedding(torch.where(owned, rows, 0), weight)
+        values = read_rows(weight, torch.where(owned, rows, 0))
         return values * owned.unsqueeze(-1).to(values.dtype)
 
     @staticmethod

@@ -69,14 +69,20 @@ def check_precision(config: Any) -> None:
 
 
 @contextlib.contextmanager
-def _engram_tables_held_out(chunks: list[torch.nn.Module]) -> Iterator[None]:
+def _engram_tables_held_out(chunks: list[torch.nn.Module], host_only: bool = False
+                            ) -> Iterator[None]:
     """Float16Module casts every floating parameter of its module; the Engram tables keep their
     own dtype (``engram_table_dtype``). They are taken out of their modules' parameter dicts
-    for the cast (no copy, no round trip through bf16) and put back unchanged."""
+    for the cast (no copy, no round trip through bf16) and put back unchanged. With
+    ``host_only``, only host-resident tables are held out (of the move to the GPU)."""
+    from engram_train.engram.host_table import is_host_resident
+
     held = []
     for chunk in chunks:
         for module in chunk.modules():
             for name, param in list(module._parameters.items()):
+                if host_only and (param is None or not is_host_resident(param)):
+                    continue
                 if param is not None and getattr(param, "is_engram_table", False):
                     held.append((module, name, param))
                     module._parameters[name] = None
@@ -111,7 +117,8 @@ def build_model(
     stages = list(range(vpp)) if vpp else [None]
     chunks = [build_gpt_model(config, vocab_size, max_sequence_length, vp_stage=s) for s in stages]
     if torch.cuda.is_available():
-        chunks = [c.cuda(torch.cuda.current_device()) for c in chunks]
+        with _engram_tables_held_out(chunks, host_only=True):  # they stay in host memory
+            chunks = [c.cuda(torch.cuda.current_device()) for c in chunks]
     chunks = wrap_mixed_precision(config, chunks)
     if not wrap_with_ddp:
         return chunks

@@ -33,9 +33,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from engram_train.engram.row_grad import ROW_GRAD_ATTR, deliver_row_grad, gather_rows
+from engram_train.engram.row_grad import ROW_GRAD_ATTR, deliver_row_grad, gather_rows, read_rows
 
 
 def row_range(num_rows: int, rank: int, size: int) -> tuple[int, int]:
@@ -104,7 +103,7 @@ class _ServeRows(torch.autograd.Function):
         ctx.weight, ctx.group, ctx.stats = weight, group, stats
         ctx.splits = (send_splits, recv_splits)
         ctx.save_for_backward(local_rows)
-        served = nn.functional.embedding(local_rows, weight)
+        served = read_rows(weight, local_rows)
         out = served.new_empty((sum(recv_splits), served.shape[1]))
         work = dist.all_to_all_single(out, served, recv_splits, send_splits, group=group,
                                       async_op=handles is not None)

@@ -43,6 +43,9 @@ moments live in host memory (masters pinned when the table is on a CUDA device) 
 runs on the CPU. With ``sparse_adam`` only the touched rows cross: gradient rows down, updated
 rows up; with ``adam`` the dense gradient is built on the host and the whole shard goes up.
 On a host without CUDA, offload keeps separate masters and runs the same copies.
+Host-resident tables (``engram_table_placement: host``, ``engram/host_table.py``): the tables
+themselves, hence their masters and moments, live in host memory; gradient rows are synced on
+the compute device and the step runs on the host (offload is implied and adds nothing).
 
 Checkpoints: the same keys for both optimizers and with or without offload (dense moments per
 table, float32 masters under bf16 only), so a run may switch ``engram_optimizer`` or offload
@@ -52,6 +55,7 @@ on resume.
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -67,6 +71,7 @@ from megatron.core.optimizer.clip_grads import get_grad_norm_fp32
 from megatron.core.optimizer.optimizer import MegatronOptimizer
 
 from engram_train.config import TABLE_OPTIMIZERS
+from engram_train.engram.host_table import HOST_TABLE_TIMES, is_host_resident
 from engram_train.engram.row_grad import arm_row_sparse_grad
 from engram_train.parallel.row_grad_sync import RowGradSyncStats, sync_row_grads
 from engram_train.runtime.distributed import device as runtime_device
@@ -166,7 +171,9 @@ class EngramTableOptimizer(MegatronOptimizer):
         self.sparse = table_optimizer == "sparse_adam"
         self.num_steps = 0
         self.mixed_precision = any(p.dtype != torch.float32 for p in self.model_params)
-        self.offload = bool(offload_states)
+        # Host-resident tables keep their state in host memory already: offload adds nothing.
+        self.host_tables = any(is_host_resident(p) for p in self.model_params)
+        self.offload = bool(offload_states) and not self.host_tables
         self.accumulators = [arm_row_sparse_grad(p) for p in self.model_params]
         self._row_grads: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self._carriers: list[torch.Tensor] = []
@@ -193,8 +200,7 @@ class EngramTableOptimizer(MegatronOptimizer):
             )
         super().__init__(optimizer, config, init_state_fn=self._init_state)
         self.is_stub_optimizer = False
-        device = self.model_params[0].device if self.model_params else runtime_device()
-        self._scale = torch.ones(1, dtype=torch.float32, device=device)
+        self._scale = torch.ones(1, dtype=torch.float32, device=runtime_device())
 
     @staticmethod
     @torch.no_grad()
@@ -220,7 +226,9 @@ class EngramTableOptimizer(MegatronOptimizer):
                     f"Engram table of layer {getattr(param, 'engram_layer_id', '?')} got a dense "
                     ".grad: table lookups must go through MultiHeadEmbedding (row-sparse)."
                 )
-            rows, values = accumulator.coalesce(param.device)
+            # gradient rows stay on the compute device (the sync runs there), host tables too
+            rows, values = accumulator.coalesce(
+                runtime_device() if is_host_resident(param) else param.device)
             local.append((rows, values.mul_(scale)))
         self._row_grads, self.last_sync = sync_row_grads(
             local, [p.shape[0] for p in self.model_params], self.grad_sync_group,
@@ -304,10 +312,13 @@ class EngramTableOptimizer(MegatronOptimizer):
         if grads is None:  # no prepare_grads this step: nothing was looked up
             grads = [(torch.empty(0, dtype=torch.int64, device=p.device),
                       torch.empty((0, p.shape[1]), device=p.device)) for p in self.model_params]
+        start = time.perf_counter()
         if self.sparse:
             self._sparse_step(grads)
         else:
             self._dense_step(grads)
+        if self.host_tables:
+            HOST_TABLE_TIMES.update_s += time.perf_counter() - start
         self.num_steps += 1
         return True
 
@@ -321,7 +332,7 @@ class EngramTableOptimizer(MegatronOptimizer):
         ):
             if main is not param and rows.numel():
                 updated = main.data.index_select(0, master_rows).to(param.dtype)
-                param.data.index_copy_(0, rows, updated.to(param.device))
+                param.data.index_copy_(0, rows.to(param.device), updated.to(param.device))
 
     def _dense_step(self, grads) -> None:
         """Dense Adam: every row of every shard moves (momentum keeps untouched rows going)."""

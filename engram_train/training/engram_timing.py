@@ -7,10 +7,13 @@
   plus hashes not yet done when the step asked for its micro-batches.
 With prefetch on, ``1 - engram_wait_s / engram_lookup_s`` of a run with prefetch off is the
 hidden fraction.
+- ``engram_host_gather_s`` / ``engram_host_update_s`` (host-resident tables only): gathering
+  rows on the host and their copies to the device, and the host optimizer step.
 """
 
 from __future__ import annotations
 
+from engram_train.engram.host_table import HOST_TABLE_TIMES
 from engram_train.parallel.embedding import LOOKUP_TIMES
 
 
@@ -21,6 +24,7 @@ class EngramStepTimes:
         self.hash_iterator = hash_iterator
         self._hash = self._hash_wait = 0.0
         LOOKUP_TIMES.reset()
+        HOST_TABLE_TIMES.reset()
 
     def window(self, steps: int) -> dict[str, float]:
         """Per-step means since the previous call (``steps`` steps ran in between)."""
@@ -36,5 +40,10 @@ class EngramStepTimes:
             engram_lookup_s=(LOOKUP_TIMES.issue_s + LOOKUP_TIMES.wait_s) / steps,
             engram_wait_s=(LOOKUP_TIMES.wait_s + hash_wait) / steps,
         )
+        if HOST_TABLE_TIMES.rows:
+            out["engram_host_gather_s"] = (HOST_TABLE_TIMES.gather_s
+                                           + HOST_TABLE_TIMES.copy_s) / steps
+            out["engram_host_update_s"] = HOST_TABLE_TIMES.update_s / steps
         LOOKUP_TIMES.reset()
+        HOST_TABLE_TIMES.reset()
         return out

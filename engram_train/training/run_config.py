@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -140,7 +141,58 @@ def validate_run_config(cfg, world_size: int, check_data: bool = True) -> None:
             )
     if check_data:
         _check_data(cfg)
+        _check_host_memory(cfg, world_size)
     _check_reliability(cfg)
+
+
+def engram_table_params_per_rank(cfg, world_size: int) -> int:
+    """Table parameters of the rank holding the most (its pipeline stage's Engram layers, one
+    shard of each): every head's table has about ``engram_vocab_size[order]`` rows (the next
+    prime above it) of ``n_embed_per_ngram / n_head_per_ngram``."""
+    m, p = cfg.model, parallel_sizes(cfg)
+    per_layer = sum(int(v) for v in m.engram_vocab_size) * int(m.n_embed_per_ngram)
+    layers_per_stage = m.num_layers // p.pipeline
+    stages = [int(i) // layers_per_stage for i in m.engram_layer_ids]
+    layers = max(stages.count(s) for s in set(stages))
+    if _get(m, "engram_embedding_parallel_method", "alltoall") == "allreduce":
+        shards = p.tensor
+    else:
+        shards = int(_get(m, "engram_embedding_parallel_size", 1))
+    return -(-layers * per_layer // shards)
+
+
+def _check_host_memory(cfg, world_size: int) -> None:
+    """Host-resident tables (or offloaded table optimizer states) must fit in the host RAM
+    available to the ranks of one node; refused at start, naming the fields, otherwise."""
+    from engram_train.engram.host_table import available_host_bytes, host_table_bytes
+
+    m = cfg.model
+    host = _get(m, "engram_table_placement", "device") == "host"
+    offload = bool(_get(m, "engram_offload_embedding_optimizer_states", False))
+    if not _get(m, "use_engram") or not (host or offload):
+        return
+    available = available_host_bytes()
+    if available is None:
+        return
+    params = engram_table_params_per_rank(cfg, world_size)
+    table_bytes = 2 if _get(m, "engram_table_dtype", "fp32") == "bf16" else 4
+    per_rank = host_table_bytes(params, table_bytes, mixed_precision=table_bytes != 4)
+    if not host:  # offload: the float32 master and the two moments only
+        per_rank -= params * table_bytes
+        per_rank += params * 4 if table_bytes == 4 else 0
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    need = per_rank * ranks
+    if need > available:
+        what = ("model.engram_table_placement=host (tables + Adam state)" if host else
+                "model.engram_offload_embedding_optimizer_states=true (masters + Adam state)")
+        gib = 1 << 30
+        raise ConfigError(
+            f"{what} needs {need / gib:.1f} GiB of host memory on this node ({ranks} ranks x "
+            f"{per_rank / gib:.2f} GiB for {params:,} table parameters each) but "
+            f"{available / gib:.1f} GiB are available: raise "
+            "model.engram_embedding_parallel_size (more shards), use fewer ranks per node, "
+            "lower model.engram_vocab_size, or set model.engram_table_placement=device"
+        )
 
 
 def _check_precision(cfg) -> None:

@@ -1,0 +1,120 @@
+"""Host-resident Engram tables (``engram_table_placement: host``).
+
+A table's addresses are known from token ids, and a step reads a few rows of it, so the table
+need not live in device memory: with ``host`` placement each rank's shard (and its optimizer
+state, ``training/engram_optimizer.py``) stays in host memory, pinned when CUDA is present,
+and the device holds only the rows in flight. Device memory used by Engram tables is then
+independent of their size; host RAM is the limit (``host_table_bytes``, checked at start by the
+trainer).
+
+A lookup on a host table (``read_rows``):
+1. the requested shard-local rows go to the host (one small id copy);
+2. the rows are gathered there into a staging buffer (pinned under CUDA; ``index_select`` runs
+   on torch's intra-op threads);
+3. the staging buffer is copied to the compute device on a side stream, and the compute stream
+   waits for that copy only (``record_stream`` keeps the buffer alive until it is consumed).
+Gradient rows stay on the compute device (the row gradient sync runs there) and cross to the
+host once per step, at the table optimizer's step, which runs on the host.
+
+On a machine without CUDA the host and the compute device are the same memory: steps 1 and 3
+are no-ops and the path differs from ``device`` placement only by the staging gather, so both
+placements give bit-identical results (which the tests check).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+HOST_ATTR = "engram_host_resident"
+
+
+@dataclass
+class HostTableTimes:
+    """Seconds spent on host tables since the last ``reset`` (benchmarks, metrics):
+    ``gather_s`` gathering rows on the host, ``copy_s`` issuing their copies to the device,
+    ``update_s`` in the host optimizer step (set by the table optimizer)."""
+
+    gather_s: float = 0.0
+    copy_s: float = 0.0
+    update_s: float = 0.0
+    rows: int = 0
+
+    def reset(self) -> None:
+        self.gather_s = self.copy_s = self.update_s = 0.0
+        self.rows = 0
+
+
+HOST_TABLE_TIMES = HostTableTimes()
+
+
+def is_host_resident(weight: torch.Tensor) -> bool:
+    return bool(getattr(weight, HOST_ATTR, False))
+
+
+@torch.no_grad()
+def make_host_resident(param: torch.nn.Parameter) -> torch.nn.Parameter:
+    """Move a table parameter's storage to host memory (pinned when CUDA is present) in place,
+    keeping the Parameter object (the model, the optimizer and checkpoints refer to it), and
+    mark it so lookups read it through the staging path."""
+    pin = torch.cuda.is_available()
+    if param.device.type != "cpu" or (pin and not param.is_pinned()):
+        host = torch.empty(param.shape, dtype=param.dtype, device="cpu", pin_memory=pin)
+        host.copy_(param.data)
+        param.data = host
+    setattr(param, HOST_ATTR, True)
+    return param
+
+
+_copy_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _copy_stream(device: torch.device) -> torch.cuda.Stream:
+    if device not in _copy_streams:
+        _copy_streams[device] = torch.cuda.Stream(device=device)
+    return _copy_streams[device]
+
+
+def read_host_rows(weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``weight[rows]`` of a host-resident shard, delivered on ``rows``' device (see the module
+    docstring). Not differentiable by itself: the callers' autograd functions route the
+    gradient rows (``engram/row_grad.py``)."""
+    start = time.perf_counter()
+    host_rows = rows.to("cpu")  # the ids a CUDA caller routed; a no-op on CPU
+    staging = torch.empty((host_rows.numel(), weight.shape[1]), dtype=weight.dtype,
+                          pin_memory=rows.is_cuda)
+    torch.index_select(weight.detach(), 0, host_rows, out=staging)
+    gathered = time.perf_counter()
+    HOST_TABLE_TIMES.gather_s += gathered - start
+    HOST_TABLE_TIMES.rows += host_rows.numel()
+    if not rows.is_cuda:
+        return staging
+    stream = _copy_stream(rows.device)
+    stream.wait_stream(torch.cuda.current_stream(rows.device))
+    with torch.cuda.stream(stream):
+        values = staging.to(rows.device, non_blocking=True)
+    torch.cuda.current_stream(rows.device).wait_stream(stream)
+    values.record_stream(torch.cuda.current_stream(rows.device))
+    HOST_TABLE_TIMES.copy_s += time.perf_counter() - gathered
+    return values
+
+
+def host_table_bytes(num_params: int, table_dtype_bytes: int, mixed_precision: bool) -> int:
+    """Host bytes a host-resident shard of ``num_params`` needs with its Adam state: the
+    values, two float32 moments, and a float32 master for a low-precision table."""
+    per_param = table_dtype_bytes + 8 + (4 if mixed_precision else 0)
+    return num_params * per_param
+
+
+def available_host_bytes() -> int | None:
+    """``MemAvailable`` of this host (Linux), None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
