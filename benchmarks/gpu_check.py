@@ -114,7 +114,7 @@ def init_layout(**sizes) -> None:
 
 def trainer_config(ctx: Context, overrides: list[str]):
     """The trainer's megatron config for ``overrides`` on this world (data files not read)."""
-    from engram_train.models.param_count import compose_config
+    from engram_train.training.param_count import compose_config
     from engram_train.training.run_config import (
         build_transformer_config,
         parallel_sizes,

@@ -60,8 +60,8 @@ def parse(command: str) -> dict | None:
         start, mode = words.index("engram_train.train") + 1, "train"
     elif words[0] == "engram-train":
         start, mode = 1, "train"
-    elif "engram_train.models.param_count" in words:
-        start, mode = words.index("engram_train.models.param_count") + 1, "count"
+    elif "engram_train.training.param_count" in words:
+        start, mode = words.index("engram_train.training.param_count") + 1, "count"
     else:
         return None
     options = {}
@@ -162,7 +162,7 @@ def closed_form(m, vocab: int) -> dict:
 
 COUNT_SCRIPT = """
 import json, os, sys
-from engram_train.models.param_count import compose_config, run_config_counts
+from engram_train.training.param_count import compose_config, run_config_counts
 from engram_train.runtime import ParallelSizes, destroy_distributed, initialize_distributed
 os.environ["WORLD_SIZE"], os.environ["RANK"] = "1", "0"
 initialize_distributed(ParallelSizes())

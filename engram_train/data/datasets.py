@@ -45,6 +45,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from engram_train.runtime.patches import DATASET_PATCHES, apply_patches, megatron_core_version
+from engram_train.engram.tokenizer import default_cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -52,12 +53,6 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 DEMO_DATA_PREFIX = str(REPO_ROOT / "examples" / "data" / "demo_text_document")
 """The shipped demo corpus (a source checkout; not part of an installed wheel)."""
 DEMO_TOKENIZER = str(REPO_ROOT / "examples" / "data" / "tokenizer")
-
-
-def default_cache_dir() -> Path:
-    """``$XDG_CACHE_HOME/engram_train`` (default ``~/.cache/engram_train``)."""
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache")
-    return Path(root).expanduser() / "engram_train"
 
 
 @contextlib.contextmanager

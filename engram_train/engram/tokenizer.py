@@ -62,9 +62,13 @@ def resolve_tokenizer_file(
 
 
 def default_cache_dir() -> Path:
-    """`$ENGRAM_CACHE_DIR`, else `~/.cache/engram_train`."""
+    """The package's cache (compressed-vocabulary lookups, dataset helpers and indices):
+    `$ENGRAM_CACHE_DIR`, else `$XDG_CACHE_HOME/engram_train`, else `~/.cache/engram_train`."""
     env = os.environ.get("ENGRAM_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "engram_train"
+    if env:
+        return Path(env).expanduser()
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache")
+    return Path(root).expanduser() / "engram_train"
 
 
 def build_compressed_lookup(tokenizer_file: str | os.PathLike) -> np.ndarray:

@@ -123,7 +123,7 @@ def build_model(
     if not wrap_with_ddp:
         return chunks
     ddp_config = ddp_config or DistributedDataParallelConfig(grad_reduce_in_fp32=True)
-    from engram_train.training.engram_optimizer import engram_table_params, hidden_from_megatron
+    from engram_train.models.table_params import engram_table_params, hidden_from_megatron
 
     # DDP skips parameters that do not require grad; they get it back right after.
     with hidden_from_megatron(engram_table_params(chunks)):

@@ -54,9 +54,8 @@ on resume.
 
 from __future__ import annotations
 
-import contextlib
 import time
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -76,30 +75,6 @@ from engram_train.engram.row_grad import arm_row_sparse_grad
 from engram_train.parallel.row_grad_sync import RowGradSyncStats, sync_row_grads
 from engram_train.runtime.distributed import device as runtime_device
 from engram_train.training.sparse_adam import RowSparseAdam
-
-
-def engram_table_params(modules: Iterable[torch.nn.Module]) -> list[torch.nn.Parameter]:
-    """Engram table parameters (``is_engram_table``) of ``modules``, each once, in model order."""
-    seen: dict[int, torch.nn.Parameter] = {}
-    for module in modules:
-        for param in module.parameters():
-            if getattr(param, "is_engram_table", False):
-                seen.setdefault(id(param), param)
-    return list(seen.values())
-
-
-@contextlib.contextmanager
-def hidden_from_megatron(params: list[torch.nn.Parameter]) -> Iterator[None]:
-    """``requires_grad=False`` while megatron's DDP / optimizer collect their parameters (both
-    skip frozen ones), restored after so that autograd still fills ``param.grad``."""
-    previous = [p.requires_grad for p in params]
-    for p in params:
-        p.requires_grad_(False)
-    try:
-        yield
-    finally:
-        for p, flag in zip(params, previous):
-            p.requires_grad_(flag)
 
 
 def engram_table_param_group(opt_config: OptimizerConfig, model_config: Any) -> dict:

@@ -36,7 +36,8 @@ from megatron.core.utils import unwrap_model
 from engram_train.checkpointing import load_checkpoint, save_checkpoint
 from engram_train.engram.module import Engram
 from engram_train.models.builder import build_model
-from engram_train.training.engram_optimizer import EngramTableOptimizer, engram_table_params
+from engram_train.models.table_params import engram_table_params
+from engram_train.training.engram_optimizer import EngramTableOptimizer
 from engram_train.training.optimizer import build_optimizer
 from engram_train.training.step import train_step
 

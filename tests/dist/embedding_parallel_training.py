@@ -115,7 +115,7 @@ def reassemble(model, tensors_of) -> dict[int, torch.Tensor]:
 
 def structure(model, optimizer) -> dict:
     """Where the tables went: out of megatron DDP and optimizer, into the chained table group."""
-    from engram_train.training.engram_optimizer import engram_table_params
+    from engram_train.models.table_params import engram_table_params
 
     tables = {id(p) for p in engram_table_params(model)}
     ddp_params = {id(p) for chunk in model for p in chunk.params_with_grad}

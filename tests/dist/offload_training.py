@@ -40,11 +40,8 @@ from megatron.core.optimizer import OptimizerConfig
 
 from engram_train.checkpointing import load_checkpoint, save_checkpoint
 from engram_train.parallel import groups
-from engram_train.training.engram_optimizer import (
-    EngramTableOptimizer,
-    engram_table_param_group,
-    engram_table_params,
-)
+from engram_train.models.table_params import engram_table_params
+from engram_train.training.engram_optimizer import EngramTableOptimizer, engram_table_param_group
 
 LAYOUT = ParallelSizes(engram_embedding=2)
 CLIP = 0.05  # setup()'s clip_grad

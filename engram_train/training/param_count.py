@@ -1,6 +1,6 @@
 """Parameter counts of a run configuration, from the model built on the meta device.
 
-    python -m engram_train.models.param_count model=engram_27b --world-size 64 --vocab-size 129280 \\
+    python -m engram_train.training.param_count model=engram_27b --world-size 64 --vocab-size 129280 \\
         system.tensor_model_parallel_size=2 system.pipeline_model_parallel_size=2
 
 validates the run configuration for ``--world-size`` processes (without starting them, and
