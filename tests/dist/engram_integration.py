@@ -45,7 +45,7 @@ ENGRAM = dict(
 def engram_config(layout: ParallelSizes, layer_ids, sp=False, **overrides):
     cfg = tiny_config(
         tp=layout.tensor, pp=layout.pipeline, sp=sp, config_class=EngramMLATransformerConfig,
-        engram_layer_ids=layer_ids, **ENGRAM, **overrides,
+        engram_layer_ids=layer_ids, **{**ENGRAM, **overrides},
     )
     cfg.finalize_model_grads_func = finalize_model_grads
     return cfg
