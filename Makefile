@@ -40,7 +40,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=20 tests $(PYTEST_ARGS)
 
 # The embedded default: deepseek_v3_tiny + Engram on the shipped corpus, 2 CPU processes.
 demo: $(STAMP)
