@@ -23,6 +23,11 @@ Sections (each runs independently; a failure is recorded and the next section ru
   at its start, rows exchanged by async NCCL all-to-all and waited where the layer runs) must
   give the losses of the serial path (inline hashing, pageable batches, no lookup prefetch), to
   1e-6 with deterministic algorithms: nothing reads rows, ids or batches before they are ready.
+  Also timed (steps after the first): median step, lookup time on the critical path per step,
+  and the hidden fraction (1 - the overlapped path's lookup time on the critical path, starting
+  plus waiting, / the serial path's).
+  ``benchmarks/bench_engram_overhead.py`` (no Engram vs Engram with and without prefetch on
+  the trainer) runs unchanged on a GPU machine as well.
 - ``offload``: the Engram optimizer-state offload in the trainer's model, for ``sparse_adam``
   and ``adam``, bf16 tables: float32 masters pinned in host memory, Adam moments on the host,
   tables on the GPU, GPU memory lower by at least the states moved out, and the same losses and
@@ -412,6 +417,7 @@ def bf16_training(ctx: Context) -> dict:
 def prefetch(ctx: Context) -> dict:
     from engram_train.data import HashPrefetchIterator
     from engram_train.engram.hashing import NgramHashMapping
+    from engram_train.parallel.embedding import LOOKUP_TIMES
     from engram_train.training.step import train_step
 
     steps, micro_batches = (3, 2) if ctx.quick else (8, 4)
@@ -430,19 +436,37 @@ def prefetch(ctx: Context) -> dict:
         if overlapped and ctx.cuda:
             raw = [{k: v.pin_memory() for k, v in b.items()} for b in raw]
         hash_fn = NgramHashMapping(config).hash_stacked
-        losses = []
+        losses, times = [], []
         deterministic = torch.are_deterministic_algorithms_enabled()
         torch.use_deterministic_algorithms(True, warn_only=True)  # CUDA index_add etc.
         try:
             with HashPrefetchIterator(raw, hash_fn, prefetch=overlapped,
                                       depth=micro_batches) as it:
-                for _ in range(steps):
+                for step in range(steps):
+                    if step == 1:  # the first step (allocations, warm-up) is not timed
+                        LOOKUP_TIMES.reset()
+                    synchronize(ctx)
+                    start = time.perf_counter()
                     mbs = [next(it) for _ in range(micro_batches)]
                     losses.append(train_step(model, optimizer, mbs, SEQ_TINY, 2).lm_loss)
+                    synchronize(ctx)
+                    times.append(time.perf_counter() - start)
             synchronize(ctx)
         finally:
             torch.use_deterministic_algorithms(deterministic)
         out[mode] = losses
+        timed = max(len(times) - 1, 1)
+        # the overhead comparison of benchmarks/bench_engram_overhead.py, on this device: step
+        # time, lookup time on the critical path (issue + wait) and what the step waited for
+        out[f"{mode}_timing"] = dict(
+            median_step_ms=1000 * statistics.median(times[1:] or times),
+            lookup_issue_ms_per_step=1000 * LOOKUP_TIMES.issue_s / timed,
+            lookup_wait_ms_per_step=1000 * LOOKUP_TIMES.wait_s / timed)
+    serial_t, overlapped_t = out["serial_timing"], out["overlapped_timing"]
+    blocking = serial_t["lookup_issue_ms_per_step"] + serial_t["lookup_wait_ms_per_step"]
+    if blocking > 0:  # starting a lookup (dedup, id routing) stays on the critical path
+        out["hidden_fraction"] = 1 - (overlapped_t["lookup_issue_ms_per_step"]
+                                      + overlapped_t["lookup_wait_ms_per_step"]) / blocking
     pairs = list(zip(out["serial"], out["overlapped"]))
     out["bitwise"] = all(a == b for a, b in pairs)
     # A race (rows, a copy or a hash read before they are complete) gives wrong numbers, not 1e-7.
