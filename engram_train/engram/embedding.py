@@ -255,6 +255,9 @@ class _Ready:
     def __init__(self, value: torch.Tensor) -> None:
         self.value = value
 
+    def advance(self) -> bool:
+        return False
+
     def wait(self) -> torch.Tensor:
         return self.value
 
@@ -262,6 +265,9 @@ class _Ready:
 class _Flattened:
     def __init__(self, pending) -> None:
         self.pending = pending
+
+    def advance(self) -> bool:
+        return self.pending.advance()
 
     def wait(self) -> torch.Tensor:
         return self.pending.wait().flatten(-2)

@@ -118,6 +118,9 @@ class EngramGPTModel(GPTModel):
         layers = self._engram_layers() if self.config.engram_prefetch else []
         for layer in layers:  # every lookup starts now, in layer order on every rank
             layer.prefetched_lookup = (block, layer.issue_lookup(block))
+        pending = [layer.prefetched_lookup[1] for layer in layers]
+        while any([p.advance() for p in pending]):  # their id exchanges overlap, in turns
+            pass
         try:
             return super().forward(input_ids, position_ids, attention_mask, *args,
                                    extra_block_kwargs=extra_block_kwargs, **kwargs)

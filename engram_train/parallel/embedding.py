@@ -7,7 +7,8 @@ and how its shard is checkpointed (``checkpoint_shard``). Words as in ``groups.p
 ``alltoall`` (default): rows are split over the Engram embedding-parallel (EmbP) group. A
 micro-batch's ids are deduplicated first (``torch.unique``: each distinct row is requested once),
 then each rank sends the distinct ids it needs to their owners and gets the rows back with
-``all_to_all_single`` (counts first: the splits are uneven). Backward: the gradients of a
+``all_to_all_single`` (counts first: the splits are uneven; when a chunk starts all its
+lookups at once, their count, id and row exchanges are interleaved, ``_StagedRoute``). Backward: the gradients of a
 distinct row's positions are summed locally (the backward of the expansion), one row per distinct
 id goes back to its owner, and the owner's table receives (rows, gradient rows) pairs, never a
 dense table gradient (``engram/row_grad.py``). Tensor-parallel peers hold the same micro-batch,
@@ -87,6 +88,41 @@ def route_ids(ids: torch.Tensor, boundaries: torch.Tensor, group, stats):
         stats.count("alltoall_sent", send_counts.element_size() * (size - 1))
         stats.count("alltoall_sent", _sent_bytes(send_splits, me, ids.element_size()))
     return recv_ids, send_splits, recv_splits
+
+
+class _StagedRoute:
+    """``route_ids`` + ``_ServeRows`` of one lookup in three steps, each starting an exchange
+    that the next step waits for: counts (``__init__``), ids (``send_ids``), rows (``serve``).
+    A chunk that starts several lookups advances them together, so their round trips overlap
+    instead of adding up (the prefetch path); a lone lookup runs the steps back to back."""
+
+    def __init__(self, ids, boundaries, group, stats) -> None:
+        self.ids, self.group, self.stats = ids, group, stats
+        size = group.size()
+        owner = torch.searchsorted(boundaries, ids, right=True) - 1
+        self.send_counts = torch.bincount(owner, minlength=size)
+        self.recv_counts = torch.empty_like(self.send_counts)
+        self._work = dist.all_to_all_single(self.recv_counts, self.send_counts, group=group,
+                                            async_op=True)
+        if stats is not None:
+            stats.count("alltoall_sent", self.send_counts.element_size() * (size - 1))
+        self.recv_ids = None
+
+    def send_ids(self) -> None:
+        self._work.wait()
+        self.send_splits = self.send_counts.tolist()
+        self.recv_splits = self.recv_counts.tolist()
+        self.recv_ids = self.ids.new_empty(sum(self.recv_splits))
+        self._work = dist.all_to_all_single(self.recv_ids, self.ids, self.recv_splits,
+                                            self.send_splits, group=self.group, async_op=True)
+        if self.stats is not None:
+            self.stats.count("alltoall_sent", _sent_bytes(self.send_splits, self.group.rank(),
+                                                          self.ids.element_size()))
+
+    def serve(self, weight, row_start, handles) -> torch.Tensor:
+        self._work.wait()
+        return _ServeRows.apply(weight, self.recv_ids - row_start, self.recv_splits,
+                                self.send_splits, self.group, self.stats, handles)
 
 
 class _ServeRows(torch.autograd.Function):
@@ -211,14 +247,33 @@ LOOKUP_TIMES = LookupTimes()
 
 
 class PendingLookup:
-    """A lookup whose rows may still be in flight: ``wait()`` returns them ([..., D])."""
+    """A lookup whose rows may still be in flight: ``wait()`` returns them ([..., D]).
 
-    def __init__(self, values: torch.Tensor, handles: list, finish) -> None:
+    ``stages`` (callables) are the steps still to run before the rows are on their way (the
+    routed lookup's id exchange, ``_StagedRoute``); the last one returns the values.
+    ``advance()`` runs the next step: a caller holding several lookups advances them in turns
+    so that their exchanges overlap; ``wait()`` runs whatever is left."""
+
+    def __init__(self, values, handles: list, finish, stages: list | None = None) -> None:
         self._values, self._handles, self._finish = values, handles, finish
+        self._stages = list(stages or [])
         self._result: torch.Tensor | None = None
+
+    def advance(self) -> bool:
+        """Run the next step, if any (timed as starting the lookup); True if one ran."""
+        if not self._stages:
+            return False
+        start = time.perf_counter()
+        out = self._stages.pop(0)()
+        if not self._stages:
+            self._values = out
+        LOOKUP_TIMES.issue_s += time.perf_counter() - start
+        return True
 
     def wait(self) -> torch.Tensor:
         if self._result is None:
+            while self.advance():
+                pass
             start = time.perf_counter()
             for work in self._handles:
                 work.wait()
@@ -318,10 +373,17 @@ class AllToAllLookup(_ShardedLookup):
             self._boundaries[key] = row_boundaries(embedding.num_rows, self.num_shards,
                                                    unique.device)
         handles: list = []
-        values = routed_lookup(
-            embedding.weight, unique, embedding.row_start, self._boundaries[key],
-            self.embedding_group, self.stats, handles if prefetch else None,
-        )
+        group = self.embedding_group
+        values, stages = None, []
+        if prefetch and group is not None and group.size() > 1:
+            route = _StagedRoute(unique, self._boundaries[key], group, self.stats)
+            stages = [route.send_ids,
+                      lambda: route.serve(embedding.weight, embedding.row_start, handles)]
+        else:
+            values = routed_lookup(
+                embedding.weight, unique, embedding.row_start, self._boundaries[key],
+                group, self.stats, handles if prefetch else None,
+            )
 
         def finish(values: torch.Tensor) -> torch.Tensor:
             if sizes is not None:
@@ -330,7 +392,7 @@ class AllToAllLookup(_ShardedLookup):
 
         LOOKUP_TIMES.issue_s += time.perf_counter() - start
         LOOKUP_TIMES.lookups += 1
-        return PendingLookup(values, handles, finish)
+        return PendingLookup(values, handles, finish, stages)
 
 
 class AllReduceLookup(_ShardedLookup):
