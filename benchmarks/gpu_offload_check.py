@@ -149,8 +149,24 @@ def check_module(out: dict) -> None:
             check(bool(((a.float() - b.float()).abs() <= tol).all()), f"{name}: tables differ")
 
 
+def timed_steps(model, optimizer) -> tuple[list, list[float]]:
+    """One warm-up step, then STEPS timed training steps: (losses, seconds per step)."""
+    from embedding_parallel_training import train
+
+    train(model, optimizer, 1)
+    times, losses = [], []
+    for _ in range(STEPS):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        step_losses, _ = train(model, optimizer, 1)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+        losses.append(step_losses[0])
+    return losses, times
+
+
 def check_model(out: dict) -> None:
-    from embedding_parallel_training import max_diff, reassemble, setup, train
+    from embedding_parallel_training import max_diff, reassemble, setup
 
     world = dist.get_world_size()
     layout = ParallelSizes(engram_embedding=world)
@@ -158,15 +174,7 @@ def check_model(out: dict) -> None:
     for offload in (False, True):
         _, model, optimizer = setup(layout, seed=1,
                                     engram_offload_embedding_optimizer_states=offload)
-        train(model, optimizer, 1)  # warm-up, not timed
-        times, losses = [], []
-        for _ in range(STEPS):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            step_losses, _ = train(model, optimizer, 1)
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-            losses.append(step_losses[0])
+        losses, times = timed_steps(model, optimizer)
         runs[offload] = dict(losses=losses, tables=reassemble(model, lambda p: p),
                              step_ms=1000 * statistics.median(times))
         for p in runs[offload]["tables"].values():
@@ -183,7 +191,7 @@ def check_model(out: dict) -> None:
 
 
 def check_host_placement(out: dict) -> None:
-    from embedding_parallel_training import setup, train
+    from embedding_parallel_training import setup
 
     world = dist.get_world_size()
     layout = ParallelSizes(engram_embedding=world)
@@ -196,15 +204,7 @@ def check_host_placement(out: dict) -> None:
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
             _, model, optimizer = setup(layout, seed=1, engram_table_placement=placement, **extra)
-            train(model, optimizer, 1)  # warm-up, not timed
-            times, losses = [], []
-            for _ in range(STEPS):
-                torch.cuda.synchronize()
-                start = time.perf_counter()
-                step_losses, _ = train(model, optimizer, 1)
-                torch.cuda.synchronize()
-                times.append(time.perf_counter() - start)
-                losses.append(step_losses[0])
+            losses, times = timed_steps(model, optimizer)
             tables = [p for p in model[0].parameters() if getattr(p, "is_engram_table", False)]
             if placement == "host":
                 check(all(t.device.type == "cpu" and t.is_pinned() for t in tables),
