@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import torch
 import torch.distributed as dist
 from common import SEQ, VOCAB, parse_args, repeated_batches, write_result
-from engram_integration import engram_config, with_hash_ids
+from engram_integration import dp_share_of_step, engram_config, with_hash_ids
 
 from engram_train.runtime import ParallelSizes, initialize_distributed
 
@@ -153,11 +153,7 @@ def train(model, optimizer, steps):
 
 def varying_batches(step: int):
     """This rank's share of a global batch that changes every step (new rows get touched)."""
-    batches = with_hash_ids(repeated_batches(GLOBAL_BATCH, 1, seed=100 + step), LAYER_IDS)
-    dp = parallel_state.get_data_parallel_world_size()
-    share = GLOBAL_BATCH // dp
-    rank = parallel_state.get_data_parallel_rank()
-    return batches[rank * share : (rank + 1) * share]
+    return dp_share_of_step(100 + step, LAYER_IDS, GLOBAL_BATCH)
 
 
 def replica_max_diff(model, optimizer) -> float:

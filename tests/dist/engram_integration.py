@@ -61,6 +61,15 @@ def with_hash_ids(batches, layer_ids):
     return [dict(b, engram_hash_ids=mapping.hash_stacked(b["tokens"])) for b in batches]
 
 
+def dp_share_of_step(seed: int, layer_ids, global_batch: int):
+    """This data-parallel rank's micro-batches (1 sequence each, with data-path hash ids) of a
+    global batch drawn with ``seed``: a new seed per step touches new rows every step."""
+    batches = with_hash_ids(repeated_batches(global_batch, 1, seed=seed), layer_ids)
+    share = global_batch // parallel_state.get_data_parallel_world_size()
+    rank = parallel_state.get_data_parallel_rank()
+    return batches[rank * share : (rank + 1) * share]
+
+
 def init(layout: ParallelSizes, seed=1):
     parallel_state.destroy_model_parallel()
     initialize_distributed(layout, seed=seed)

@@ -16,9 +16,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import torch
 import torch.distributed as dist
-from common import SEQ, VOCAB, parse_args, repeated_batches, write_result
+from common import SEQ, VOCAB, parse_args, write_result
 from embedding_parallel_training import reassemble
-from engram_integration import engram_config, with_hash_ids
+from engram_integration import dp_share_of_step, engram_config
 
 from engram_train.runtime import ParallelSizes, initialize_distributed
 
@@ -50,11 +50,7 @@ LAYOUTS = [  # name, method, sizes, sequence parallel, overrides, steps
 
 def batches_of_step(step: int):
     """This data-parallel rank's micro-batches (1 sequence each) of a step-specific batch."""
-    batches = with_hash_ids(repeated_batches(GLOBAL_BATCH, 1, seed=500 + step), LAYER_IDS)
-    dp = parallel_state.get_data_parallel_world_size()
-    share = GLOBAL_BATCH // dp
-    rank = parallel_state.get_data_parallel_rank()
-    return batches[rank * share: (rank + 1) * share]
+    return dp_share_of_step(500 + step, LAYER_IDS, GLOBAL_BATCH)
 
 
 def run(root, method, sizes, sp, overrides, steps, prefetch):
