@@ -70,7 +70,7 @@ def test_table_params_per_rank_match_the_built_shard():
     width = m.n_embed_per_ngram // m.n_head_per_ngram
     # one pipeline stage holds every Engram layer; each rank one half (eps 2) of each table
     exact = sum(sum(sum(order) for order in sizes[i]) for i in m.engram_layer_ids) * width / 2
-    estimate = engram_table_params_per_rank(cfg, 2)
+    estimate = engram_table_params_per_rank(cfg)
     assert estimate <= exact <= estimate * 1.01
 
 

@@ -71,28 +71,11 @@ def _sent_bytes(splits: list[int], me: int, row_bytes: int) -> int:
     return (sum(splits) - splits[me]) * row_bytes
 
 
-def route_ids(ids: torch.Tensor, boundaries: torch.Tensor, group, stats):
-    """Send sorted distinct global rows to their owners: (ids this rank must serve,
-    splits of what it sends, splits of what it receives). Sorted ids are already grouped by
-    owner (owners hold contiguous row blocks), so no permutation is needed."""
-    size = group.size()
-    owner = torch.searchsorted(boundaries, ids, right=True) - 1
-    send_counts = torch.bincount(owner, minlength=size)
-    recv_counts = torch.empty_like(send_counts)
-    dist.all_to_all_single(recv_counts, send_counts, group=group)
-    send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
-    recv_ids = ids.new_empty(sum(recv_splits))
-    dist.all_to_all_single(recv_ids, ids, recv_splits, send_splits, group=group)
-    if stats is not None:
-        me = group.rank()
-        stats.count("alltoall_sent", send_counts.element_size() * (size - 1))
-        stats.count("alltoall_sent", _sent_bytes(send_splits, me, ids.element_size()))
-    return recv_ids, send_splits, recv_splits
-
-
 class _StagedRoute:
-    """``route_ids`` + ``_ServeRows`` of one lookup in three steps, each starting an exchange
-    that the next step waits for: counts (``__init__``), ids (``send_ids``), rows (``serve``).
+    """Send sorted distinct global rows to their owners and serve them back, in three steps,
+    each starting an exchange that the next step waits for: counts (``__init__``), ids
+    (``send_ids``), rows (``serve``, ``_ServeRows``). Sorted ids are already grouped by owner
+    (owners hold contiguous row blocks), so no permutation is needed.
     A chunk that starts several lookups advances them together, so their round trips overlap
     instead of adding up (the prefetch path); a lone lookup runs the steps back to back."""
 
@@ -176,9 +159,9 @@ def routed_lookup(weight, ids, row_start, boundaries, group, stats, handles=None
     its owner, whose table receives it row-sparse (``engram/row_grad.py``)."""
     if group is None or group.size() == 1:
         return gather_rows(weight, ids - row_start)
-    recv_ids, send_splits, recv_splits = route_ids(ids, boundaries, group, stats)
-    return _ServeRows.apply(weight, recv_ids - row_start, recv_splits, send_splits, group,
-                            stats, handles)
+    route = _StagedRoute(ids, boundaries, group, stats)
+    route.send_ids()
+    return route.serve(weight, row_start, handles)
 
 
 class _ReduceOverGroup(torch.autograd.Function):

@@ -145,7 +145,7 @@ def validate_run_config(cfg, world_size: int, check_data: bool = True) -> None:
     _check_reliability(cfg)
 
 
-def engram_table_params_per_rank(cfg, world_size: int) -> int:
+def engram_table_params_per_rank(cfg) -> int:
     """Table parameters of the rank holding the most (its pipeline stage's Engram layers, one
     shard of each): every head's table has about ``engram_vocab_size[order]`` rows (the next
     prime above it) of ``n_embed_per_ngram / n_head_per_ngram``."""
@@ -174,12 +174,12 @@ def _check_host_memory(cfg, world_size: int) -> None:
     available = available_host_bytes()
     if available is None:
         return
-    params = engram_table_params_per_rank(cfg, world_size)
+    params = engram_table_params_per_rank(cfg)
     table_bytes = 2 if _get(m, "engram_table_dtype", "fp32") == "bf16" else 4
-    per_rank = host_table_bytes(params, table_bytes, mixed_precision=table_bytes != 4)
-    if not host:  # offload: the float32 master and the two moments only
-        per_rank -= params * table_bytes
-        per_rank += params * 4 if table_bytes == 4 else 0
+    if host:  # the table, its two float32 moments and (bf16 tables) a float32 master
+        per_rank = host_table_bytes(params, table_bytes, mixed_precision=table_bytes != 4)
+    else:  # offload: a float32 master (also for fp32 tables) and the two moments
+        per_rank = host_table_bytes(params, 4, mixed_precision=False)
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     need = per_rank * ranks
     if need > available:
