@@ -328,6 +328,30 @@ _COMPOSED = {
 }
 
 
+def _check_megatron_backbone(config) -> None:
+    """Engram settings a megatron GPT backbone cannot honour. The standalone `EngramConfig`
+    (the reference module, export) accepts them; a megatron config refuses them here, once,
+    for the trainer and library users alike."""
+    if not config.use_engram:
+        return
+    if config.engram_hc_mult != 1:
+        raise ValueError(
+            f"engram_hc_mult={config.engram_hc_mult}: megatron GPT layers carry one residual "
+            "stream; hc_mult > 1 needs a hyper-connection backbone. Set engram_hc_mult: 1"
+        )
+    if config.context_parallel_size > 1:
+        raise ValueError(
+            "Engram's short conv and n-gram windows span the sequence, which context parallelism "
+            f"splits (context_parallel_size={config.context_parallel_size}); set it to 1"
+        )
+    if config.fp16:
+        raise ValueError(
+            "fp16 (system.precision=fp16) is not supported with use_engram=True: megatron's loss "
+            "scaler does not cover the Engram table gradients (an overflow there would not skip "
+            "the step). Use bf16 (system.precision=bf16) or fp32"
+        )
+
+
 def _compose(name: str, megatron_cls: type) -> type:
     """Dataclass inheriting megatron's config and EngramConfig; validates both, then num_layers."""
 
@@ -336,6 +360,7 @@ def _compose(name: str, megatron_cls: type) -> type:
         EngramConfig.__post_init__(self)
         self.validate_num_layers(self.num_layers)
         self.validate_hidden_size(self.hidden_size)
+        _check_megatron_backbone(self)
 
     namespace = {
         "__post_init__": __post_init__,

@@ -33,7 +33,8 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
+from engram_train.models.presets import CONF_DIR
+
 log = logging.getLogger("engram_train")
 
 
@@ -146,13 +147,13 @@ def check(cfg: DictConfig) -> Plan:
     )
     from engram_train.data import load_tokenizer
     from engram_train.training.faults import check_writable
-    from engram_train.training.run_config import build_transformer_config, padded_vocab_size, validate_run_config
+    from engram_train.training.run_config import padded_vocab_size, validate_run_config
     from engram_train.training.run_identity import run_identity
 
     # megatron logs every parameter name at INFO while building the optimizer; keep its warnings.
     logging.getLogger("megatron").setLevel(logging.WARNING)
-    validate_run_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
-    model_config = build_transformer_config(cfg)  # validated, still no process group
+    # Validated (run and model rules) and built, still without a process group.
+    model_config = validate_run_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     check_writable(cfg.experiment.exp_dir, "experiment.exp_dir")
     if cfg.checkpoint.save:
         check_writable(cfg.checkpoint.save, "checkpoint.save")

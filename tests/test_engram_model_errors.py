@@ -1,9 +1,11 @@
-"""Clear, early errors for Engram model configurations megatron cannot honour."""
+"""Clear, early errors for Engram model configurations megatron cannot honour: refused when the
+megatron config is built (the standalone EngramConfig, used by the reference module, accepts
+hc_mult > 1)."""
 
 import pytest
 
 from engram_train.config import EngramMLATransformerConfig
-from engram_train.models.engram_gpt import validate_engram_model_config
+from engram_train.config import EngramConfig
 
 BASE = dict(
     num_layers=4, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True,
@@ -25,20 +27,28 @@ def test_engram_layer_id_beyond_num_layers():
 
 def test_hc_mult_needs_hyper_connection_backbone():
     with pytest.raises(ValueError, match=r"engram_hc_mult=2.*Set engram_hc_mult: 1"):
-        validate_engram_model_config(make(engram_hc_mult=2))
+        make(engram_hc_mult=2)
+    engram_only = {k: v for k, v in BASE.items() if k in EngramConfig.field_names()}
+    assert EngramConfig(**engram_only, engram_hc_mult=4).engram_hc_mult == 4  # reference module
 
 
 def test_context_parallel_is_rejected():
-    cfg = make()
-    cfg.context_parallel_size = 2
     with pytest.raises(ValueError, match="context_parallel_size=2"):
-        validate_engram_model_config(cfg)
+        make(context_parallel_size=2)
+
+
+def test_fp16_is_rejected_with_engram_only():
+    with pytest.raises(ValueError, match=r"fp16 .* not supported with use_engram=True.*bf16"):
+        make(fp16=True)
+    assert make(fp16=True, use_engram=False).fp16
 
 
 def test_engram_model_requires_use_engram():
+    from engram_train.models.engram_gpt import EngramGPTModel
+
     with pytest.raises(ValueError, match="use_engram=True"):
-        validate_engram_model_config(make(use_engram=False))
+        EngramGPTModel(make(use_engram=False), None, vocab_size=128, max_sequence_length=32)
 
 
 def test_valid_config_passes():
-    validate_engram_model_config(make())
+    assert make().engram_hc_mult == 1

@@ -127,7 +127,7 @@ def _cfg(*overrides):
         (["system.tensor_model_parallel_size=3"], 4, r"world size 4 is not divisible"),
         (["model.engram_embedding_parallel_size=3"], 4, r"engram_embedding_parallel_size=3"),
         (["model.engram_embedding_parallel_method=allreduce", "model.engram_embedding_parallel_size=2"], 2,
-         r"allreduce shards the tables over the tensor-parallel group"),
+         r"'allreduce' shards the tables over the tensor-parallel group"),
         (["system.virtual_pipeline_model_parallel_size=2"], 2, r"virtual_pipeline_model_parallel_size"),
         (["system.expert_model_parallel_size=3"], 4, r"expert_model_parallel_size 3 must divide"),
     ],

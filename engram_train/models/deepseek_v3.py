@@ -1,7 +1,8 @@
 """DeepSeek-V3-style backbone: MLA attention (with RMSNorm on the compressed q and kv latents,
 DeepSeek-V3's ``q_a_layernorm``/``kv_a_layernorm``: megatron's ``qk_layernorm`` for MLA), MoE
 (routed + shared experts, first-k dense), RMSNorm, RoPE, SwiGLU. Presets are plain dicts of
-megatron config fields so a YAML file can hold them and a user can override any field.
+megatron config fields: the sizes live in ``conf/model/*.yaml`` (engram_train.models.presets),
+and any field can be overridden there.
 """
 
 from __future__ import annotations
@@ -40,24 +41,6 @@ DEEPSEEK_V3_COMMON: dict[str, Any] = dict(
     moe_token_dispatcher_type="allgather",
     moe_router_dtype="fp32",
 )
-
-DEEPSEEK_V3_TINY: dict[str, Any] = dict(
-    num_layers=4,
-    hidden_size=64,
-    num_attention_heads=4,
-    ffn_hidden_size=128,
-    q_lora_rank=32,
-    kv_lora_rank=32,
-    qk_head_dim=16,
-    qk_pos_emb_head_dim=8,
-    v_head_dim=16,
-    num_moe_experts=4,
-    moe_router_topk=2,
-    moe_ffn_hidden_size=32,
-    moe_shared_expert_intermediate_size=32,
-    first_k_dense_replace=1,
-)
-
 
 def moe_layer_freq(num_layers: int, first_k_dense_replace: int) -> list[int]:
     """DeepSeek-V3's layout: the first k layers are dense, the rest MoE."""

@@ -27,22 +27,6 @@ import torch
 from megatron.core.models.gpt.gpt_model import GPTModel
 
 
-def validate_engram_model_config(config) -> None:
-    """Combinations the Engram integration cannot honour, rejected before any module is built."""
-    if not getattr(config, "use_engram", False):
-        raise ValueError("EngramGPTModel needs use_engram=True; build megatron's GPTModel otherwise")
-    if config.engram_hc_mult != 1:
-        raise ValueError(
-            f"engram_hc_mult={config.engram_hc_mult}: megatron GPT layers carry one residual stream; "
-            "hc_mult > 1 needs a hyper-connection backbone. Set engram_hc_mult: 1"
-        )
-    if config.context_parallel_size > 1:
-        raise ValueError(
-            "Engram's short conv and n-gram windows span the sequence, which context parallelism "
-            f"splits (context_parallel_size={config.context_parallel_size}); set it to 1"
-        )
-
-
 def stack_hash_ids(
     hash_ids: Mapping[int, torch.Tensor] | torch.Tensor, layer_ids: list[int]
 ) -> torch.Tensor:
@@ -69,7 +53,11 @@ class EngramGPTModel(GPTModel):
     """GPTModel whose Engram layers receive per-micro-batch hash ids (module docstring)."""
 
     def __init__(self, config, transformer_layer_spec, *args, **kwargs):
-        validate_engram_model_config(config)
+        # The Engram rules themselves ran when the config was built (engram_train.config).
+        if not getattr(config, "use_engram", False):
+            raise ValueError(
+                "EngramGPTModel needs use_engram=True; build megatron's GPTModel otherwise"
+            )
         super().__init__(config, transformer_layer_spec, *args, **kwargs)
         self._hash_mapping = None
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
+from engram_train.models.presets import CONF_DIR
 
 
 @dataclass
@@ -134,8 +134,9 @@ def run_config_counts(cfg, world_size: int | None, vocab_size: int | None = None
     )
 
     if world_size is not None:
-        validate_run_config(cfg, world_size, check_data=False)
-    config = build_transformer_config(cfg)
+        config = validate_run_config(cfg, world_size, check_data=False)
+    else:
+        config = build_transformer_config(cfg)
     if vocab_size is None:
         from engram_train.data import load_tokenizer
 

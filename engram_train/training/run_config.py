@@ -15,7 +15,6 @@ from typing import Any, Mapping
 
 import torch
 
-from engram_train.config import ENGRAM_TABLE_DTYPES
 from engram_train.runtime.distributed import ParallelSizes
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -64,10 +63,12 @@ def data_parallel_size(cfg, world_size: int) -> int:
     return world_size // (p.tensor * p.pipeline * p.context)
 
 
-def validate_run_config(cfg, world_size: int, check_data: bool = True) -> None:
-    """Every rule that can be checked before torch.distributed starts. ``check_data=False``
-    skips the checks that read ``data.path`` and ``data.tokenizer`` (a layout checked on a
-    machine that does not hold the data)."""
+def validate_run_config(cfg, world_size: int, check_data: bool = True):
+    """Every rule that can be checked before torch.distributed starts; returns the model's
+    ``EngramMLATransformerConfig``. The run's rules (layout, batch, schedule, data, memory) are
+    checked here; the model's (megatron's and Engram's) by building its config.
+    ``check_data=False`` skips the checks that read ``data.path`` and ``data.tokenizer`` (a
+    layout checked on a machine that does not hold the data)."""
     p = parallel_sizes(cfg)
     try:
         p.validate(world_size)
@@ -132,17 +133,13 @@ def validate_run_config(cfg, world_size: int, check_data: bool = True) -> None:
             f"model.num_moe_experts={m.num_moe_experts} must be divisible by "
             f"system.expert_model_parallel_size={p.expert}"
         )
-    if _get(m, "use_engram"):
-        eps = int(_get(m, "engram_embedding_parallel_size", 1))
-        if _get(m, "engram_embedding_parallel_method", "alltoall") == "allreduce" and eps != 1:
-            raise ConfigError(
-                "model.engram_embedding_parallel_method=allreduce shards the tables over the "
-                f"tensor-parallel group: set model.engram_embedding_parallel_size: 1 (got {eps})"
-            )
+    # The model's own rules (megatron's and Engram's) run once, where the config is built.
+    model_config = build_transformer_config(cfg)
     if check_data:
         _check_data(cfg)
         _check_host_memory(cfg, world_size)
     _check_reliability(cfg)
+    return model_config
 
 
 def engram_table_params_per_rank(cfg) -> int:
@@ -196,25 +193,11 @@ def _check_host_memory(cfg, world_size: int) -> None:
 
 
 def _check_precision(cfg) -> None:
-    """bf16 runs on CPU and GPU (megatron's Float16Module, float32 main parameters); fp16 only
-    without Engram (megatron's loss scaler does not cover the Engram table optimizer)."""
-    precision, m = cfg.system.precision, cfg.model
+    """bf16 runs on CPU and GPU (megatron's Float16Module, float32 main parameters); fp16 is
+    refused with Engram where the model config is built (engram_train.config)."""
+    precision = cfg.system.precision
     if precision not in PRECISIONS:
         raise ConfigError(f"system.precision={precision!r} must be one of {sorted(PRECISIONS)}")
-    if not _get(m, "use_engram"):
-        return
-    if precision == "fp16":
-        raise ConfigError(
-            "system.precision=fp16 is not supported with model.use_engram=true: megatron's loss "
-            "scaler does not cover the Engram table gradients (an overflow there would not skip "
-            "the step). Use system.precision=bf16 (or fp32)"
-        )
-    table_dtype = _get(m, "engram_table_dtype", "fp32")
-    if table_dtype not in ENGRAM_TABLE_DTYPES:
-        raise ConfigError(
-            f"model.engram_table_dtype={table_dtype!r} must be one of {list(ENGRAM_TABLE_DTYPES)} "
-            "(bf16 tables keep float32 master rows in the Engram optimizer)"
-        )
 
 
 def _check_reliability(cfg) -> None:

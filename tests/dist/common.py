@@ -46,9 +46,10 @@ def repeated_batches(num_microbatches: int, micro_batch_size: int, seed: int = 0
 
 
 def tiny_config(tp=1, pp=1, ep=1, sp=False, **overrides):
-    from engram_train.models.deepseek_v3 import DEEPSEEK_V3_TINY, deepseek_v3_config
+    from engram_train.models.deepseek_v3 import deepseek_v3_config
+    from engram_train.models.presets import backbone_preset
 
-    fields = dict(DEEPSEEK_V3_TINY)
+    fields = backbone_preset("deepseek_v3_tiny")
     fields.update(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,

@@ -1,0 +1,32 @@
+"""The shipped model presets, one definition each: ``conf/model/<name>.yaml``.
+
+The trainer composes them through Hydra (``model=<name>``); the parameter counter and the tests
+read the same files through `model_preset` / `backbone_preset`, so a preset's sizes live in one
+place.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
+
+
+def model_preset(name: str) -> dict[str, Any]:
+    """The ``model`` section of preset ``name`` as a plain dict (interpolations unresolved)."""
+    from omegaconf import OmegaConf
+
+    path = Path(CONF_DIR, "model", f"{name}.yaml")
+    if not path.is_file():
+        known = sorted(p.stem for p in Path(CONF_DIR, "model").glob("*.yaml"))
+        raise ValueError(f"no model preset {name!r} (conf/model/{name}.yaml); presets: {known}")
+    return OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+
+
+def backbone_preset(name: str) -> dict[str, Any]:
+    """The preset's megatron (backbone) fields only: its Engram fields dropped."""
+    from engram_train.config import EngramConfig
+
+    engram = set(EngramConfig.field_names())
+    return {k: v for k, v in model_preset(name).items() if k not in engram}
