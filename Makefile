@@ -26,7 +26,7 @@ STAMP := $(VENV)/.installed-mcore$(MEGATRON_CORE)
 # Extra pytest arguments, e.g. PYTEST_ARGS="-m every_lane" (the tests CI runs on every lane).
 PYTEST_ARGS ?=
 
-.PHONY: test demo install bench clean
+.PHONY: test demo install torch bench clean
 
 $(STAMP): pyproject.toml
 	@test -n "$(PYTHON)" || { scripts/find-python $(PYTHON_VERSION); exit 1; }
@@ -38,6 +38,13 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 install: $(STAMP)
+
+# The lane's torch alone, its largest download: .ci/run fetches the second lane's while the
+# first lane's tests run (no editable install here, so the two never write the same files).
+torch:
+	@test -n "$(PYTHON)" || { scripts/find-python $(PYTHON_VERSION); exit 1; }
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
 
 test: $(STAMP)
 	$(PY) -m pytest -q --durations=20 tests $(PYTEST_ARGS)
