@@ -46,8 +46,9 @@ torch:
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 
+# Not -q: pytest's header names the lane's Python, torch and megatron-core (tests/conftest.py).
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=20 tests $(PYTEST_ARGS)
+	$(PY) -m pytest --durations=20 tests $(PYTEST_ARGS)
 
 # The embedded default: deepseek_v3_tiny + Engram on the shipped corpus, 2 CPU processes.
 demo: $(STAMP)

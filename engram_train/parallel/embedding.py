@@ -4,7 +4,7 @@ A *method* object tells a ``MultiHeadEmbedding`` which rows it holds (``row_rang
 look rows up (``lookup``), how its gradient is reduced (``grad_sync_group``, ``norm_group``)
 and how its shard is checkpointed (``checkpoint_shard``). Words as in ``groups.py``.
 
-``alltoall`` (default): rows are split over the Engram embedding-parallel (EmbP) group. A
+``alltoall`` (default): rows are split over the Engram embedding-parallel group. A
 micro-batch's ids are deduplicated first (``torch.unique``: each distinct row is requested once),
 then each rank sends the distinct ids it needs to their owners and gets the rows back with
 ``all_to_all_single`` (counts first: the splits are uneven; when a chunk starts all its
@@ -319,7 +319,7 @@ class _ShardedLookup:
 
 
 class AllToAllLookup(_ShardedLookup):
-    """Method ``alltoall``: rows over the EmbP group, ids routed to owners (module doc)."""
+    """Method ``alltoall``: rows over the embedding-parallel group, ids routed to owners."""
 
     method = "alltoall"
 

@@ -5,15 +5,16 @@ Vocabulary (used across ``engram_train.parallel`` and docs/embedding-parallel.md
 - *stage ranks*: the ranks of one pipeline stage, i.e. its tensor x context x data-parallel
   ranks. Engram tables live on the stage that owns their layer, so every Engram group is formed
   inside one stage.
-- *Engram embedding-parallel (EmbP) group*: ``eps`` consecutive stage ranks (global rank order,
+- *Engram embedding-parallel group*: ``eps`` consecutive stage ranks (global rank order,
   so tensor-parallel peers are grouped first, as megatron lays them out). Each member owns a
   contiguous block of rows of every Engram table of the stage; lookups are routed to the owners
   with all-to-all (method ``alltoall``). Independent of the tensor-parallel size.
-- *Engram data-parallel (EmbDP) group*: the stage ranks with the same EmbP rank. They hold
+- *Engram data-parallel group*: the stage ranks with the same embedding-parallel rank. They hold
   the same rows, so table gradients are summed over it (and scaled like megatron DDP scales
   every other gradient).
-- *Engram model-parallel group*: the ranks with the same EmbDP rank on every stage. Together
-  they hold each table row of the model exactly once: the table gradient norm is summed over it.
+- *Engram model-parallel group*: the ranks with the same Engram data-parallel rank on every
+  stage. Together they hold each table row of the model exactly once: the table gradient norm
+  is summed over it.
 
 ``initialize_engram_parallel`` must run on every rank after megatron's
 ``initialize_model_parallel`` (``engram_train.runtime.initialize_distributed`` does both);
@@ -102,13 +103,13 @@ def initialize_engram_parallel(
         if me in ranks:
             mine[kind], groups[kind] = tuple(ranks), group
 
-    for ranks in stages:  # EmbP groups: consecutive stage ranks
+    for ranks in stages:  # embedding-parallel groups: consecutive stage ranks
         for start in range(0, stage_size, eps):
             make("embedding", ranks[start : start + eps])
-    for ranks in stages:  # EmbDP groups: same EmbP rank within the stage
+    for ranks in stages:  # Engram data-parallel groups: same embedding-parallel rank in a stage
         for shard in range(eps):
             make("data", ranks[shard::eps])
-    for replica in range(num_replicas):  # one copy of every row: same EmbDP rank, all stages
+    for replica in range(num_replicas):  # every row once: one Engram data-parallel rank, all stages
         make("model", [r for ranks in stages for r in ranks[replica * eps : (replica + 1) * eps]])
 
     _GROUPS = _EngramGroups(

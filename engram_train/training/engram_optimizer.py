@@ -2,7 +2,7 @@
 
 Why a separate optimizer. megatron DDP averages every gradient in its buffers over megatron's
 data-parallel group. A table shard's replicas are not megatron's DP peers: with method
-``alltoall`` the rows are split over the Engram embedding-parallel (EmbP) group, so e.g. under
+``alltoall`` the rows are split over the Engram embedding-parallel group, so e.g. under
 TP1 x eps4 the four megatron DP peers own four different row blocks and averaging their
 gradients would mix unrelated rows. The tables therefore stay out of megatron's DDP and
 optimizer (``models/builder.py``, ``training/optimizer.py``) and are stepped here.
@@ -20,15 +20,17 @@ scheduler (``param_groups`` carry ``max_lr``/``min_lr``/``wd_mult`` like megatro
 
 1. ``prepare_grads`` - each table's row pairs are coalesced (distinct rows, float32 sums),
    scaled by 1 / megatron's data-parallel(x context) size and summed over the method's
-   ``grad_sync_group`` (EmbDP group for ``alltoall``, megatron's DP group for ``allreduce``)
-   by ``parallel/row_grad_sync.py``: an all-gather of the touched rows, or a dense all-reduce
-   when that moves fewer bytes; replicas end bitwise equal. The result equals the single-rank
-   gradient of the global batch, as megatron DDP's average does for every other parameter.
+   ``grad_sync_group`` (the Engram data-parallel group for ``alltoall``, megatron's DP group
+   for ``allreduce``) by ``parallel/row_grad_sync.py``: an all-gather of the touched rows, or a
+   dense all-reduce when that moves fewer bytes; replicas end bitwise equal. The result equals
+   the single-rank gradient of the global batch, as megatron DDP's average does for every other
+   parameter.
 2. ``get_grad_norm`` - the table group differs from megatron's grad-stats group, so the chain
    takes sqrt(sum of squares) of each optimizer's global norm. Ours sums squares of the synced
-   gradient rows over the method's ``norm_group`` (EmbP ranks x pipeline stages with one EmbDP
-   rank; TP x PP with one DP rank for ``allreduce``): each touched row once, never a TP
-   duplicate or a DP replica; untouched rows contribute zero, so this is the dense norm.
+   gradient rows over the method's ``norm_group`` (embedding-parallel ranks x pipeline stages
+   with one Engram data-parallel rank; TP x PP with one DP rank for ``allreduce``): each
+   touched row once, never a TP duplicate or a DP replica; untouched rows contribute zero, so
+   this is the dense norm.
 3. the chain clips every optimizer's ``get_parameters()`` grads with the combined norm: ours
    returns one *grad carrier* per table, a zero-stride float32 view shaped like the synced
    gradient rows (no memory) whose ``.grad`` is those rows, so the clip scales them in place.
