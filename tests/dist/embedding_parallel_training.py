@@ -2,8 +2,8 @@
 Engram embedding-parallel layouts, 4 processes, one launch.
 
 Every layout loads the same initial weights (a checkpoint written once under TP1/eps 1, so the
-tables also reshard on load) and trains 5 steps on the same global batch (8 sequences; each
-data-parallel rank takes its share, TP peers share theirs) with a small clip_grad, so the
+tables also reshard on load) and trains 5 steps on the same global batch (8 sequences in
+micro-batches of 2; each data-parallel rank takes its share, TP peers share theirs) with a small clip_grad, so the
 combined (megatron + table) grad norm decides every update. Layouts: alltoall eps 1/2/4 (TP1),
 eps 2/4 with TP2 + sequence parallel, eps 2 with PP2 (with and without full recompute),
 allreduce TP1/TP2. Recorded per layout:
@@ -41,6 +41,7 @@ from engram_train.training.step import run_forward_backward, train_step
 
 LAYER_IDS = [1, 3]
 GLOBAL_BATCH = 8
+MICRO_BATCH = 2  # fewer micro-batches: fewer TP collectives per step on gloo
 STEPS = 5
 FULL_RECOMPUTE = dict(
     recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
@@ -86,10 +87,12 @@ def table_optimizer(optimizer) -> EngramTableOptimizer:
 
 
 def my_batches():
-    batches = with_hash_ids(repeated_batches(GLOBAL_BATCH, 1, seed=3), LAYER_IDS)
+    batches = with_hash_ids(
+        repeated_batches(GLOBAL_BATCH // MICRO_BATCH, MICRO_BATCH, seed=3), LAYER_IDS
+    )
     dp = parallel_state.get_data_parallel_world_size()
     rank = parallel_state.get_data_parallel_rank()
-    share = GLOBAL_BATCH // dp
+    share = len(batches) // dp
     return batches[rank * share : (rank + 1) * share]
 
 
@@ -137,7 +140,7 @@ def first_batch_table_grads(model, optimizer):
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    run_forward_backward(model, my_batches(), SEQ, 1)
+    run_forward_backward(model, my_batches(), SEQ, MICRO_BATCH)
     opt = table_optimizer(optimizer)
     opt.prepare_grads()
     index = {id(p): i for i, p in enumerate(opt.model_params)}
@@ -147,7 +150,7 @@ def first_batch_table_grads(model, optimizer):
 
 
 def train(model, optimizer, steps):
-    results = [train_step(model, optimizer, my_batches(), SEQ, 1) for _ in range(steps)]
+    results = [train_step(model, optimizer, my_batches(), SEQ, MICRO_BATCH) for _ in range(steps)]
     return [r.lm_loss for r in results], [r.grad_norm for r in results]
 
 
