@@ -61,11 +61,14 @@ def with_hash_ids(batches, layer_ids):
     return [dict(b, engram_hash_ids=mapping.hash_stacked(b["tokens"])) for b in batches]
 
 
-def dp_share_of_step(seed: int, layer_ids, global_batch: int):
-    """This data-parallel rank's micro-batches (1 sequence each, with data-path hash ids) of a
-    global batch drawn with ``seed``: a new seed per step touches new rows every step."""
-    batches = with_hash_ids(repeated_batches(global_batch, 1, seed=seed), layer_ids)
-    share = global_batch // parallel_state.get_data_parallel_world_size()
+def dp_share_of_step(seed: int, layer_ids, global_batch: int, micro_batch_size: int = 1):
+    """This data-parallel rank's micro-batches (with data-path hash ids) of a global batch of
+    ``global_batch`` sequences drawn with ``seed``: a new seed per step touches new rows every
+    step. The sequences do not depend on ``micro_batch_size``, only their grouping."""
+    batches = with_hash_ids(
+        repeated_batches(global_batch // micro_batch_size, micro_batch_size, seed=seed), layer_ids
+    )
+    share = len(batches) // parallel_state.get_data_parallel_world_size()
     rank = parallel_state.get_data_parallel_rank()
     return batches[rank * share : (rank + 1) * share]
 

@@ -39,6 +39,7 @@ from engram_train.training.step import train_step
 
 LAYER_IDS = [1, 3]
 GLOBAL_BATCH = 8
+MICRO_BATCH = 2  # fewer micro-batches: fewer TP collectives per step on gloo
 STEPS = 4
 LAYOUTS = [  # name, method, sizes, sequence parallel, overrides
     ("eps1", "alltoall", ParallelSizes(), False, {}),
@@ -53,8 +54,8 @@ RESUME_SIZES = ParallelSizes(engram_embedding=2)
 
 
 def batches_of_step(step: int):
-    """This data-parallel rank's micro-batches (1 sequence each) of a step-specific batch."""
-    return dp_share_of_step(700 + step, LAYER_IDS, GLOBAL_BATCH)
+    """This data-parallel rank's micro-batches of a step-specific batch."""
+    return dp_share_of_step(700 + step, LAYER_IDS, GLOBAL_BATCH, MICRO_BATCH)
 
 
 def setup(root, method, sizes, sp, overrides, placement):
@@ -78,7 +79,7 @@ def table_optimizer(optimizer) -> EngramTableOptimizer:
 def train(model, optimizer, steps):
     losses, norms = [], []
     for step in steps:
-        result = train_step(model, optimizer, batches_of_step(step), SEQ, 1)
+        result = train_step(model, optimizer, batches_of_step(step), SEQ, MICRO_BATCH)
         losses.append(result.lm_loss)
         norms.append(result.grad_norm)
     return losses, norms
