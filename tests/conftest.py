@@ -1,3 +1,4 @@
+import os
 import sys
 from importlib import metadata
 from pathlib import Path
@@ -6,6 +7,12 @@ import pytest
 
 # Test helpers (launch.py) live next to the tests.
 sys.path.insert(0, str(Path(__file__).parent))
+
+# megatron-core wraps a few MoE helpers in torch.compile (megatron.core.jit.jit_fuser); on the
+# DeepSeek-V3 CPU path that is the router's expert-bias token count, an integer sum that is
+# exact compiled or not. Compiling it costs ~2 s in every process, and the suite starts over a
+# hundred processes (inherited by every torchrun launch below). TORCHDYNAMO_DISABLE=0 keeps it.
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 # The tests that drive megatron-core end to end (integration and parity, embedding parallelism,
 # checkpoints (with adding/removing Engram and damaged files), the trainer, the patch registry). CI runs the full suite on one megatron-core
