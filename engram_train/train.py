@@ -164,7 +164,7 @@ def check(cfg: DictConfig) -> Plan:
     if model_config.use_engram:
         from engram_train.engram.hashing import NgramHashMapping
 
-        mapping = NgramHashMapping(model_config)
+        mapping = NgramHashMapping(model_config, num_threads=int(cfg.data.get("hash_threads", 1)))
     plan = Plan(model_config, tokenizer, vocab_size, mapping,
                 run_identity(model_config, vocab_size, mapping), resume_from=None)  # fmt: skip
     _expected_schedule(cfg)  # a schedule megatron would refuse fails here, not after the build

@@ -77,7 +77,8 @@ def test_outputs_written(demo_run):
 
 
 def test_resume_is_exact(demo_run):
-    """Resume from iteration 15 and continue: the logged losses at 20, 25, 30 are identical."""
+    """Resume from iteration 15 and continue: the logged losses at 20, 25, 30 are identical
+    (the resumed run hashes with two threads: the same ids)."""
     root, exp, ckpt, _ = demo_run
     partial = root / "ckpt15"
     partial.mkdir()
@@ -87,7 +88,7 @@ def test_resume_is_exact(demo_run):
     run_trainer(
         2, f"experiment.exp_dir={resumed}", f"checkpoint.load={partial}",
         "train.train_iters=30", "train.log_interval=5", "train.eval_interval=15", "train.eval_iters=2",
-        "train.lr_warmup_iters=5",
+        "train.lr_warmup_iters=5", "data.hash_threads=2",
     )
     original = {r["iteration"]: r for r in read_metrics(exp)}
     again = {r["iteration"]: r for r in read_metrics(resumed)}
@@ -120,6 +121,7 @@ def _cfg(*overrides):
          r"system.sequence_parallel"),
         (["system.precision=fp8"], 1, r"system.precision='fp8'"),
         (["system.recompute_granularity=everything"], 1, r"system.recompute_granularity"),
+        (["data.hash_threads=0"], 1, r"data.hash_threads=0 must be an int >= 1"),
         (["data.path=/nonexistent/prefix"], 1, r"data.path: /nonexistent/prefix.bin does not exist"),
         (["data.path=[0.5,examples/data/demo_text_document,0.5,/nonexistent/b]"], 1,
          r"data.path: /nonexistent/b.bin does not exist"),

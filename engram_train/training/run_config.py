@@ -89,6 +89,9 @@ def validate_run_config(cfg, world_size: int, check_data: bool = True):
     for key in ("log_interval", "eval_interval"):
         if t[key] is not None and t[key] < 1:
             raise ConfigError(f"train.{key}={t[key]} must be >= 1 (or null to disable)")
+    threads = _get(cfg.data, "hash_threads", 1)
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ConfigError(f"data.hash_threads={threads!r} must be an int >= 1")
     if m.num_layers % p.pipeline:
         raise ConfigError(
             f"model.num_layers={m.num_layers} must be divisible by "
