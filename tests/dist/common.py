@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 from pathlib import Path
@@ -20,8 +21,21 @@ def parse_args(extra=None):
 
 
 def write_result(out: str, result: dict) -> None:
+    """This rank's result; after it, the process groups are destroyed when the script exits."""
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    atexit.register(_destroy_process_groups)
+
+
+def _destroy_process_groups() -> None:
+    # Gloo worker threads still running at interpreter teardown can abort a finished rank
+    # ("terminate called without an active exception", SIGABRT); megatron never destroys its
+    # groups. Only after a rank's result is written: on a failure path a peer may still be
+    # inside a collective, and the launcher stops the job anyway.
+    if dist.is_initialized():
+        from engram_train.runtime import destroy_distributed
+
+        destroy_distributed()
 
 
 VOCAB = 128
