@@ -99,16 +99,6 @@ def test_bf16_config_carries_megatron_precision_fields():
     assert config.engram_table_dtype == "bf16"
 
 
-def test_builder_rejects_fp16_with_engram():
-    from engram_train.models.builder import check_precision
-
-    class Config:
-        fp16, bf16, use_engram = True, False, True
-
-    with pytest.raises(ValueError, match="fp16 with Engram is not supported"):
-        check_precision(Config())
-
-
 # -- the megatron model under TP2 x PP2, eps 2 (one launch) --------------------------------------
 
 @pytest.fixture(scope="module")

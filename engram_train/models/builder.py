@@ -58,16 +58,6 @@ def build_gpt_model(
     return GPTModel(config, deepseek_v3_block_spec(config, use_te=use_te, vp_stage=vp_stage), **kwargs)
 
 
-def check_precision(config: Any) -> None:
-    """Precision combinations the model cannot honour, rejected before anything is built."""
-    if getattr(config, "fp16", False) and getattr(config, "use_engram", False):
-        raise ValueError(
-            "fp16 with Engram is not supported: the Engram table optimizer has no loss-scaling "
-            "path (an overflow in a table gradient would not skip the step). Use bf16 "
-            "(system.precision: bf16) or fp32."
-        )
-
-
 @contextlib.contextmanager
 def _engram_tables_held_out(chunks: list[torch.nn.Module], host_only: bool = False
                             ) -> Iterator[None]:
@@ -95,8 +85,7 @@ def _engram_tables_held_out(chunks: list[torch.nn.Module], host_only: bool = Fal
 
 def wrap_mixed_precision(config: Any, chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
     """``Float16Module`` around each chunk when ``config.bf16`` (as Megatron-LM's get_model);
-    the chunks unchanged in fp32."""
-    check_precision(config)
+    the chunks unchanged in fp32. (fp16 with Engram is refused when the config is built.)"""
     if not (config.bf16 or config.fp16):
         return chunks
     with _engram_tables_held_out(chunks):
@@ -112,7 +101,6 @@ def build_model(
 ) -> list[torch.nn.Module]:
     """All model chunks of this rank: under bf16 each in a ``Float16Module``, then each in
     megatron DDP (unless ``wrap_with_ddp=False``)."""
-    check_precision(config)
     vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     stages = list(range(vpp)) if vpp else [None]
     chunks = [build_gpt_model(config, vocab_size, max_sequence_length, vp_stage=s) for s in stages]
