@@ -671,6 +671,25 @@ def _check_loaded(ckpt: Path, model) -> None:
 EMBEDDED_COMMON_STATE = "common_state"
 
 
+def read_embedded_common_state(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
+    """The common state megatron-core 0.19 embeds in a checkpoint's torch_dist files, read in
+    this process alone (no process group); only torch's safe types are unpickled."""
+    import io
+
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint import load as dcp_load
+
+    key = ShardedObject(EMBEDDED_COMMON_STATE, None, (1,), (0,)).unique_key
+    buffers = {key: io.BytesIO()}
+    dcp_load(buffers, storage_reader=FileSystemReader(str(checkpoint_dir)), no_dist=True)
+    loaded = buffers[key]
+    if isinstance(loaded, io.BytesIO):
+        loaded.seek(0)
+        loaded = torch.load(loaded, weights_only=True)
+    return loaded[0]
+
+
 def _embedded_common_state_load(ckpt: Path, state: dict[str, Any]) -> dict[str, Any]:
     """Extra ``dist_checkpointing.load`` arguments that let megatron-core < 0.19 read a
     checkpoint written by 0.19 (docs/megatron-versions.md); nothing for other checkpoints.
@@ -690,19 +709,7 @@ def _embedded_common_state_load(ckpt: Path, state: dict[str, Any]) -> dict[str, 
 
     class EmbeddedCommonLoad(TorchCommonLoadStrategy):
         def load_common(self, checkpoint_dir):
-            import io
-
-            from torch.distributed.checkpoint import FileSystemReader
-            from torch.distributed.checkpoint import load as dcp_load
-
-            key = ShardedObject(EMBEDDED_COMMON_STATE, None, (1,), (0,)).unique_key
-            buffers = {key: io.BytesIO()}
-            dcp_load(buffers, storage_reader=FileSystemReader(str(checkpoint_dir)), no_dist=True)
-            loaded = buffers[key]
-            if isinstance(loaded, io.BytesIO):
-                loaded.seek(0)
-                loaded = torch.load(loaded, weights_only=True)
-            return loaded[0]
+            return read_embedded_common_state(checkpoint_dir)
 
     state[EMBEDDED_COMMON_STATE] = ShardedObject(
         EMBEDDED_COMMON_STATE, None, (1,), (0,), replica_id=dist.get_rank()

@@ -120,15 +120,21 @@ class DistCheckpointReader:
         return [k for k in self.tensors if not OPTIMIZER_KEY.match(k)]
 
     def common_state(self) -> dict[str, Any] | None:
-        """The non-sharded state (``iteration``, ``extra``...), or None if it cannot be read
-        without unpickling arbitrary objects."""
+        """The non-sharded state (``iteration``, ``extra``...): ``common.pt`` (megatron-core
+        0.16) or the object embedded in the torch_dist files (0.19); None if there is none or
+        it cannot be read without unpickling arbitrary objects."""
+        from engram_train.checkpointing import EMBEDDED_COMMON_STATE, read_embedded_common_state
+
         path = self.path / COMMON_STATE
-        if not path.is_file():
-            return None
         try:
-            return torch.load(path, map_location="cpu", weights_only=True)
+            if path.is_file():
+                return torch.load(path, map_location="cpu", weights_only=True)
+            if any(key.split("/")[0] == EMBEDDED_COMMON_STATE
+                   for key in self.metadata.state_dict_metadata):
+                return read_embedded_common_state(self.path)
         except Exception:  # noqa: BLE001 - pickled objects outside torch's safe list
             return None
+        return None
 
     def read_items(self, key: str) -> list[ReadItem]:
         """One DCP read per stored chunk of `key`, with its block in global coordinates."""
