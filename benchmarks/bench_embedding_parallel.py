@@ -22,10 +22,8 @@ Launches its W processes itself (torch.multiprocessing).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
-import socket
 import statistics
 import time
 from pathlib import Path
@@ -33,6 +31,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from bench_common import free_port, write_result
 
 from engram_train.engram.embedding import MultiHeadEmbedding
 from engram_train.engram.hashing import engram_head_vocab_sizes
@@ -162,19 +161,13 @@ def worker(rank: int, args, port: int, out_queue) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(argv=None) -> dict:
     args = parse_args(argv)
     os.environ["OMP_NUM_THREADS"] = "1"
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     started = time.perf_counter()
-    mp.start_processes(worker, args=(args, _free_port(), queue), nprocs=args.world,
+    mp.start_processes(worker, args=(args, free_port(), queue), nprocs=args.world,
                        join=True, start_method="spawn")
     raw = queue.get()
     wall = time.perf_counter() - started
@@ -212,8 +205,7 @@ def main(argv=None) -> dict:
         payload_per_rank=raw["payload"],
         wall_seconds=wall,
     )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
 
     mb = 1e6
     print(f"W={args.world} ranks (gloo, CPU), {args.layers} layers x {k} heads x D={args.dim}, "
@@ -224,7 +216,6 @@ def main(argv=None) -> dict:
               f"{expected[m] / mb:9.2f} MB, loopback {w}, "
               f"collective payload {sent[m] / mb:9.2f} MB")
     print(f"  speedup alltoall over allreduce: {ratio:.2f}x (median step times)")
-    print(f"  wrote {args.out}")
     return result
 
 

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import write_result  # noqa: E402
 from bench_table_scaling import run_trainer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -137,9 +138,7 @@ def main(argv=None) -> dict:
     result = dict(benchmark="engram_overhead", machine=platform.processor() or platform.machine(),
                   cpus=os.cpu_count(), iters=args.iters, warmup=args.warmup, rounds=args.rounds,
                   module_compute_per_branch_s=per_rank_module, results=results)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(f"written {args.out}")
+    write_result(args.out, result)
     return result
 
 

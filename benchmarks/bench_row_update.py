@@ -20,12 +20,12 @@ memory latency, not work proportional to the table (nothing here touches an unto
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
 
 import torch
+from bench_common import write_result
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "bench_row_update.json"
@@ -100,9 +100,7 @@ def main(argv=None) -> dict:
               f"| {e['gather_vs_x1']:.2f}x | {e['update_ms']:.2f} | {e['update_vs_x1']:.2f}x |")
     result = dict(benchmark="row_update", steps=args.steps, touched_rows_per_table=TOUCHED,
                   layers=LAYERS, dim=DIM, results=rows)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(f"written {args.out}")
+    write_result(args.out, result)
     return result
 
 

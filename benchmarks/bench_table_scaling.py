@@ -25,13 +25,14 @@ import json
 import os
 import platform
 import re
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from bench_common import free_port, write_result
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "bench_table_scaling.json"
@@ -72,12 +73,6 @@ def configurations(args) -> list[dict]:
                                f"model.engram_table_placement={placement}"],
                 ))
     return configs
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_trainer(config: dict, iters: int, nproc: int, workdir: Path) -> dict:
@@ -220,9 +215,7 @@ def main(argv=None) -> dict:
         cpus=os.cpu_count(), nproc=args.nproc, rounds=args.rounds, iters=args.iters,
         warmup=args.warmup, placements=args.placements, results=rows, dedup=dedup,
     )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(f"written {args.out}")
+    write_result(args.out, result)
     return result
 
 

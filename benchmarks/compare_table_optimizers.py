@@ -17,6 +17,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bench_common import write_result
+
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "compare_table_optimizers.json"
 
@@ -67,9 +69,7 @@ def main(argv=None) -> dict:
         print(f"sparse_adam - adam per seed: {[round(d, 4) for d in diffs]}")
     result = dict(benchmark="compare_table_optimizers", iters=args.iters, nproc=args.nproc,
                   runs=runs, summary=summary)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(f"written {args.out}")
+    write_result(args.out, result)
     return result
 
 
