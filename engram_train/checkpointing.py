@@ -671,16 +671,22 @@ def _check_loaded(ckpt: Path, model) -> None:
 EMBEDDED_COMMON_STATE = "common_state"
 
 
+def embedded_common_state_key() -> str:
+    """The storage key of that object in the torch_dist files."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    return ShardedObject(EMBEDDED_COMMON_STATE, None, (1,), (0,)).unique_key
+
+
 def read_embedded_common_state(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
     """The common state megatron-core 0.19 embeds in a checkpoint's torch_dist files, read in
     this process alone (no process group); only torch's safe types are unpickled."""
     import io
 
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint import load as dcp_load
 
-    key = ShardedObject(EMBEDDED_COMMON_STATE, None, (1,), (0,)).unique_key
+    key = embedded_common_state_key()
     buffers = {key: io.BytesIO()}
     dcp_load(buffers, storage_reader=FileSystemReader(str(checkpoint_dir)), no_dist=True)
     loaded = buffers[key]

@@ -18,13 +18,14 @@ import subprocess
 import sys
 import textwrap
 import time
-from importlib import metadata
 from pathlib import Path
 
 import psutil
 import pytest
 from hydra import compose, initialize_config_dir
 from packaging.version import Version
+
+from engram_train.runtime import megatron_core_version
 
 from launch import REPO, free_port
 
@@ -351,7 +352,7 @@ def _rank0(torchrun_pid: int) -> psutil.Process | None:
 
 # megatron-core 0.16.1 writes checkpoint shards from forked processes, 0.19.2 from threads
 # (filesystem_async.FileSystemWriterAsync; the releases between are not supported lanes).
-FORKED_WRITERS = Version(metadata.version("megatron-core")) < Version("0.19")
+FORKED_WRITERS = Version(megatron_core_version()) < Version("0.19")
 
 
 def test_kill_rank0_during_save_leaves_no_process(tmp_path):

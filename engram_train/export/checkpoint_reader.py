@@ -123,14 +123,13 @@ class DistCheckpointReader:
         """The non-sharded state (``iteration``, ``extra``...): ``common.pt`` (megatron-core
         0.16) or the object embedded in the torch_dist files (0.19); None if there is none or
         it cannot be read without unpickling arbitrary objects."""
-        from engram_train.checkpointing import EMBEDDED_COMMON_STATE, read_embedded_common_state
+        from engram_train.checkpointing import embedded_common_state_key, read_embedded_common_state
 
         path = self.path / COMMON_STATE
         try:
             if path.is_file():
                 return torch.load(path, map_location="cpu", weights_only=True)
-            if any(key.split("/")[0] == EMBEDDED_COMMON_STATE
-                   for key in self.metadata.state_dict_metadata):
+            if embedded_common_state_key() in self.metadata.state_dict_metadata:
                 return read_embedded_common_state(self.path)
         except Exception:  # noqa: BLE001 - pickled objects outside torch's safe list
             return None

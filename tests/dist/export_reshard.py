@@ -30,7 +30,7 @@ from engram_train.checkpointing import (
 from engram_train.engram.tokenizer import CompressedTokenizer
 from engram_train.export.checkpoint_reader import DistCheckpointReader
 from engram_train.models.builder import build_model
-from engram_train.runtime import ParallelSizes, destroy_distributed, initialize_distributed
+from engram_train.runtime import ParallelSizes, initialize_distributed
 from engram_train.training.run_config import build_transformer_config
 
 BATCH, SEQ = 2, 48
@@ -99,7 +99,6 @@ def main():
               str(Path(args.out) / "engram_io.safetensors"))
     write_result(args.out, {"iteration": loaded,
                             "layers": sorted(layer.engram_layer_id for layer in layers)})
-    destroy_distributed()
 
 
 if __name__ == "__main__":
