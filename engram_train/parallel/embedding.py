@@ -8,10 +8,10 @@ and how its shard is checkpointed (``checkpoint_shard``). Words as in ``groups.p
 micro-batch's ids are deduplicated first (``torch.unique``: each distinct row is requested once),
 then each rank sends the distinct ids it needs to their owners and gets the rows back with
 ``all_to_all_single`` (counts first: the splits are uneven; when a chunk starts all its
-lookups at once, their count, id and row exchanges are interleaved, ``_StagedRoute``). Backward: the gradients of a
-distinct row's positions are summed locally (the backward of the expansion), one row per distinct
-id goes back to its owner, and the owner's table receives (rows, gradient rows) pairs, never a
-dense table gradient (``engram/row_grad.py``). Tensor-parallel peers hold the same micro-batch,
+lookups at once, their count, id and row exchanges are interleaved, ``_StagedRoute``).
+Backward: the gradients of a distinct row's positions are summed locally (the backward of the
+expansion), one row per distinct id goes back to its owner, and the owner's table receives
+(rows, gradient rows) pairs, never a dense table gradient (``engram/row_grad.py``). Tensor-parallel peers hold the same micro-batch,
 so they split its distinct ids (TP rank r fetches the r-th block) and all-gather the rows over
 TP; the backward of that gather keeps this rank's block, because the Engram branch downstream is
 computed identically on every TP rank. Every distinct id of a micro-batch is thus fetched once,
@@ -362,10 +362,10 @@ class AllToAllLookup(_ShardedLookup):
             route = _StagedRoute(unique, self._boundaries[key], group, self.stats)
             stages = [route.send_ids,
                       lambda: route.serve(embedding.weight, embedding.row_start, handles)]
-        else:
+        else:  # blocking, or a group of one (a local gather: nothing in flight)
             values = routed_lookup(
                 embedding.weight, unique, embedding.row_start, self._boundaries[key],
-                group, self.stats, handles if prefetch else None,
+                group, self.stats,
             )
 
         def finish(values: torch.Tensor) -> torch.Tensor:
