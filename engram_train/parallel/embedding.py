@@ -11,11 +11,12 @@ then each rank sends the distinct ids it needs to their owners and gets the rows
 lookups at once, their count, id and row exchanges are interleaved, ``_StagedRoute``).
 Backward: the gradients of a distinct row's positions are summed locally (the backward of the
 expansion), one row per distinct id goes back to its owner, and the owner's table receives
-(rows, gradient rows) pairs, never a dense table gradient (``engram/row_grad.py``). Tensor-parallel peers hold the same micro-batch,
-so they split its distinct ids (TP rank r fetches the r-th block) and all-gather the rows over
-TP; the backward of that gather keeps this rank's block, because the Engram branch downstream is
-computed identically on every TP rank. Every distinct id of a micro-batch is thus fetched once,
-and every row gradient reaches its owner once.
+(rows, gradient rows) pairs, never a dense table gradient (``engram/row_grad.py``).
+Tensor-parallel peers hold the same micro-batch, so they split its distinct ids (TP rank r
+fetches the r-th block) and all-gather the rows over TP; the backward of that gather keeps this
+rank's block, because the Engram branch downstream is computed identically on every TP rank.
+Every distinct id of a micro-batch is thus fetched once, and every row gradient reaches its
+owner once.
 
 ``allreduce`` (baseline): rows are split over the tensor-parallel group as a vocab-parallel
 embedding: masked local lookup of the micro-batch's distinct ids, all-reduce of [distinct, D]
