@@ -33,7 +33,6 @@ _INT_FIELDS = (
     "engram_pad_id",
     "engram_seed",
     "engram_kernel_size",
-    "engram_hc_mult",
     "engram_embedding_parallel_size",
 )
 _INT_LIST_FIELDS = ("engram_vocab_size", "engram_layer_ids")
@@ -75,8 +74,10 @@ class EngramConfig:
     engram_kernel_size: int = 4
     """Kernel of the short causal depthwise conv (dilation = max_ngram_size)."""
 
-    engram_hc_mult: int = 1
-    """G: residual streams (mHC); 1 for a plain backbone."""
+    engram_hc_mult: int | None = None
+    """G: residual streams the Engram branch reads and writes. Unset (None): follows the
+    backbone (``num_residual_streams`` with mHC on, else 1); an explicit value must match it.
+    The standalone module (reference parity, export) takes any G >= 1."""
 
     engram_embedding_parallel_size: int = 1
     """Ranks that share (row-shard) each Engram table with method 'alltoall'."""
@@ -191,6 +192,9 @@ class EngramConfig:
             setattr(self, name, float(value))
         if self.engram_eos_id is not None:
             _require_int("engram_eos_id", self.engram_eos_id)
+        if self.engram_hc_mult is None:
+            self.engram_hc_mult = 1  # a megatron config resolved it from the backbone first
+        _require_int("engram_hc_mult", self.engram_hc_mult)
         path = self.engram_tokenizer_name_or_path
         if path is not None:
             if not isinstance(path, (str, os.PathLike)):
@@ -328,17 +332,82 @@ _COMPOSED = {
 }
 
 
+@dataclass
+class HyperConnectionConfig:
+    """mHC fields of the backbone (``docs/mhc.md``), under upstream megatron-core's names (it
+    adds them after 0.19), so that a config written for upstream means the same here."""
+
+    enable_hyper_connections: bool = False
+    """Multi-stream residual (DeepSeek's mHC): every attention and MLP/MoE sublayer reads and
+    writes `num_residual_streams` streams through learned mappings."""
+
+    num_residual_streams: int = 4
+    """n: residual streams with mHC on (DeepSeek: 4)."""
+
+    mhc_sinkhorn_iterations: int = 20
+    """Sinkhorn iterations that make the stream-mixing matrix doubly stochastic."""
+
+    mhc_init_gating_factor: float = 0.01
+    """Initial `scale` of the mappings (0: the mappings start as constants, and an n-stream
+    model without Engram computes the single-stream model's function)."""
+
+
+def _check_hyper_connections(config) -> None:
+    """mHC rules, and `engram_hc_mult` resolved from the backbone (before Engram's checks)."""
+    if not isinstance(config.enable_hyper_connections, bool):
+        raise TypeError(
+            f"enable_hyper_connections must be a bool, got {config.enable_hyper_connections!r}."
+        )
+    for name in ("num_residual_streams", "mhc_sinkhorn_iterations"):
+        _require_int(name, getattr(config, name))
+    value = config.mhc_init_gating_factor
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"mhc_init_gating_factor must be a number, got {value!r}.")
+    config.mhc_init_gating_factor = float(value)
+    streams = config.num_residual_streams if config.enable_hyper_connections else 1
+    hc_mult = config.engram_hc_mult
+    if config.enable_hyper_connections:
+        if config.num_residual_streams < 2:
+            raise ValueError(
+                f"num_residual_streams={config.num_residual_streams} must be >= 2 with "
+                "enable_hyper_connections=true (DeepSeek uses 4); or set "
+                "enable_hyper_connections: false"
+            )
+        if config.mhc_sinkhorn_iterations < 1:
+            raise ValueError(
+                f"mhc_sinkhorn_iterations={config.mhc_sinkhorn_iterations} must be >= 1 (20)."
+            )
+        if config.mhc_init_gating_factor < 0:
+            raise ValueError(
+                f"mhc_init_gating_factor={config.mhc_init_gating_factor} must be >= 0 (0.01)."
+            )
+        if getattr(config, "mtp_num_layers", None):
+            raise ValueError(
+                "enable_hyper_connections=true with mtp_num_layers: multi-token prediction "
+                "layers take a single-stream input; set mtp_num_layers: null"
+            )
+        if hc_mult is not None and hc_mult != streams:
+            raise ValueError(
+                f"engram_hc_mult={hc_mult} differs from num_residual_streams={streams}: the "
+                "Engram branch reads and writes every residual stream. Leave engram_hc_mult "
+                f"unset (null: it follows the backbone) or set it to {streams}"
+            )
+    elif hc_mult is not None and hc_mult != 1 and config.use_engram:
+        raise ValueError(
+            f"engram_hc_mult={hc_mult} needs a multi-stream backbone: set "
+            f"enable_hyper_connections: true and num_residual_streams: {hc_mult}, or leave "
+            "engram_hc_mult unset (null) / 1 for the single-stream backbone"
+        )
+    if hc_mult is None:
+        config.engram_hc_mult = streams
+
+
 def _check_megatron_backbone(config) -> None:
     """Engram settings a megatron GPT backbone cannot honour. The standalone `EngramConfig`
     (the reference module, export) accepts them; a megatron config refuses them here, once,
     for the trainer and library users alike."""
     if not config.use_engram:
         return
-    if config.engram_hc_mult != 1:
-        raise ValueError(
-            f"engram_hc_mult={config.engram_hc_mult}: megatron GPT layers carry one residual "
-            "stream; hc_mult > 1 needs a hyper-connection backbone. Set engram_hc_mult: 1"
-        )
     if config.context_parallel_size > 1:
         raise ValueError(
             "Engram's short conv and n-gram windows span the sequence, which context parallelism "
@@ -353,10 +422,12 @@ def _check_megatron_backbone(config) -> None:
 
 
 def _compose(name: str, megatron_cls: type) -> type:
-    """Dataclass inheriting megatron's config and EngramConfig; validates both, then num_layers."""
+    """Dataclass inheriting megatron's config, EngramConfig and HyperConnectionConfig; validates
+    megatron's fields, then mHC's (which resolve `engram_hc_mult`), then Engram's."""
 
     def __post_init__(self) -> None:
         megatron_cls.__post_init__(self)
+        _check_hyper_connections(self)
         EngramConfig.__post_init__(self)
         self.validate_num_layers(self.num_layers)
         self.validate_hidden_size(self.hidden_size)
@@ -368,7 +439,7 @@ def _compose(name: str, megatron_cls: type) -> type:
         "__qualname__": name,
         "__doc__": f"megatron {megatron_cls.__name__} plus every EngramConfig field.",
     }
-    return dataclass(type(name, (megatron_cls, EngramConfig), namespace))
+    return dataclass(type(name, (megatron_cls, EngramConfig, HyperConnectionConfig), namespace))
 
 
 def __getattr__(name: str) -> type:
@@ -389,7 +460,7 @@ if TYPE_CHECKING:  # pragma: no cover - static view of the lazily built classes
     )
 
     @dataclass
-    class EngramTransformerConfig(TransformerConfig, EngramConfig): ...
+    class EngramTransformerConfig(TransformerConfig, EngramConfig, HyperConnectionConfig): ...
 
     @dataclass
-    class EngramMLATransformerConfig(MLATransformerConfig, EngramConfig): ...
+    class EngramMLATransformerConfig(MLATransformerConfig, EngramConfig, HyperConnectionConfig): ...

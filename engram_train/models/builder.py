@@ -49,13 +49,34 @@ def build_gpt_model(
         position_embedding_type="rope",
         vp_stage=vp_stage,
     )
+    return gpt_model_class(config)(config, gpt_block_spec(config, use_te, vp_stage), **kwargs)
+
+
+def gpt_model_class(config: Any) -> type:
+    """megatron's GPTModel, or its Engram and/or mHC subclass, as the config asks."""
+    from engram_train.models.engram_gpt import EngramGPTModel
+    from engram_train.models.hyper_connection_model import (
+        EngramHyperConnectionGPTModel,
+        HyperConnectionGPTModel,
+    )
+
+    engram = bool(getattr(config, "use_engram", False))
+    mhc = bool(getattr(config, "enable_hyper_connections", False))
+    return {
+        (False, False): GPTModel,
+        (True, False): EngramGPTModel,
+        (False, True): HyperConnectionGPTModel,
+        (True, True): EngramHyperConnectionGPTModel,
+    }[(engram, mhc)]
+
+
+def gpt_block_spec(config: Any, use_te: bool | None = None, vp_stage: int | None = None):
+    """The decoder block spec: Engram layers at ``engram_layer_ids`` when ``use_engram``."""
     if getattr(config, "use_engram", False):
-        from engram_train.models.engram_gpt import EngramGPTModel
         from engram_train.models.engram_specs import engram_block_spec
 
-        spec = engram_block_spec(config, use_te=use_te, vp_stage=vp_stage)
-        return EngramGPTModel(config, spec, **kwargs)
-    return GPTModel(config, deepseek_v3_block_spec(config, use_te=use_te, vp_stage=vp_stage), **kwargs)
+        return engram_block_spec(config, use_te=use_te, vp_stage=vp_stage)
+    return deepseek_v3_block_spec(config, use_te=use_te, vp_stage=vp_stage)
 
 
 @contextlib.contextmanager

@@ -29,6 +29,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
 from engram_train.engram.module import engram_table_dtype
+from engram_train.models.hyper_connection_layer import HyperConnectionTransformerLayer
 from engram_train.parallel.embedding import engram_embedding_parallel
 
 
@@ -79,8 +80,18 @@ class EngramTransformerLayer(TransformerLayer):
             full = gather_from_sequence_parallel_region(
                 hidden_states, tensor_parallel_output_grad=False, group=tp
             )
-            return scatter_to_sequence_parallel_region(self.engram(full, **ids), group=tp)
-        return self.engram(hidden_states, **ids)
+            return scatter_to_sequence_parallel_region(self._engram(full, ids), group=tp)
+        return self._engram(hidden_states, ids)
+
+    def _engram(self, hidden_states: torch.Tensor, ids: dict) -> torch.Tensor:
+        """Engram on megatron's activation: ``[s, b, h]``, or with mHC the ``[s, b, n*h]``
+        streams, which the branch reads and writes as ``[s, b, n, h]`` (hc_mult = n)."""
+        streams = self.engram.hc_mult
+        if streams == 1:
+            return self.engram(hidden_states, **ids)
+        s, b, width = hidden_states.shape
+        output = self.engram(hidden_states.view(s, b, streams, width // streams), **ids)
+        return output.reshape(s, b, width)
 
     def issue_lookup(self, context: torch.Tensor):
         """Start this layer's lookup for the micro-batch's [L, B, S, K] block (prefetch)."""
@@ -107,3 +118,8 @@ def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Same ids block (megatron's recompute may hand the layer an alias of it)."""
     return a is b or (a.data_ptr() == b.data_ptr() and a.shape == b.shape
                       and a.stride() == b.stride())
+
+
+class EngramHyperConnectionLayer(EngramTransformerLayer, HyperConnectionTransformerLayer):
+    """The Engram layer on the mHC backbone: ``X = X + Engram(X)`` on all n streams
+    (hc_mult = n), then the layer's mHC sublayers (``HyperConnectionTransformerLayer``)."""

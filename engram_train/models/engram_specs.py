@@ -16,7 +16,12 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_layer import TransformerLayer, get_transformer_layer_offset
 
 from engram_train.engram.module import Engram
-from engram_train.models.engram_layer import EngramTransformerLayer, EngramTransformerLayerSubmodules
+from engram_train.models.engram_layer import (
+    EngramHyperConnectionLayer,
+    EngramTransformerLayer,
+    EngramTransformerLayerSubmodules,
+)
+from engram_train.models.hyper_connection_layer import HyperConnectionTransformerLayer
 from engram_train.models.specs import deepseek_v3_block_spec
 
 
@@ -30,13 +35,16 @@ def stage_layer_ids(config, vp_stage: int | None = None, pp_rank: int | None = N
 
 
 def engram_layer_spec(layer_spec: ModuleSpec, engram_spec=Engram) -> ModuleSpec:
-    """A plain TransformerLayer spec -> the same layer with an Engram branch."""
+    """A TransformerLayer spec (single- or multi-stream) -> the same layer with an Engram branch."""
     if not (isinstance(layer_spec.module, type) and issubclass(layer_spec.module, TransformerLayer)):
         raise ValueError(f"cannot add Engram to {layer_spec.module}: expected a TransformerLayer spec")
     fields = {f.name: getattr(layer_spec.submodules, f.name) for f in dataclasses.fields(layer_spec.submodules)}
+    module = (EngramHyperConnectionLayer
+              if issubclass(layer_spec.module, HyperConnectionTransformerLayer)
+              else EngramTransformerLayer)
     return dataclasses.replace(
         layer_spec,
-        module=EngramTransformerLayer,
+        module=module,
         submodules=EngramTransformerLayerSubmodules(**fields, engram=engram_spec),
     )
 

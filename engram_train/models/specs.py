@@ -18,6 +18,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from engram_train.models.local_modules import RMSNorm, SDPACoreAttention
 from engram_train.runtime.megatron_fixes import transformer_engine_available
@@ -64,4 +65,23 @@ def deepseek_v3_block_spec(
         config, use_transformer_engine=use_te, normalization=config.normalization,
         vp_stage=vp_stage, pp_rank=pp_rank,
     )
-    return spec if use_te else substitute_modules(spec, LOCAL_SUBSTITUTIONS)
+    if not use_te:
+        spec = substitute_modules(spec, LOCAL_SUBSTITUTIONS)
+    if getattr(config, "enable_hyper_connections", False):
+        spec = hyper_connection_block_spec(spec)
+    return spec
+
+
+def hyper_connection_block_spec(block: TransformerBlockSubmodules) -> TransformerBlockSubmodules:
+    """Every layer of the block on n residual streams (``HyperConnectionTransformerLayer``)."""
+    from engram_train.models.hyper_connection_layer import HyperConnectionTransformerLayer
+
+    layer_specs = []
+    for spec in block.layer_specs:
+        if spec.module is not TransformerLayer:
+            raise ValueError(
+                f"enable_hyper_connections: cannot put {spec.module} on residual streams "
+                "(megatron's TransformerLayer is the layer mHC wraps)"
+            )
+        layer_specs.append(dataclasses.replace(spec, module=HyperConnectionTransformerLayer))
+    return dataclasses.replace(block, layer_specs=layer_specs)

@@ -176,3 +176,36 @@ def _get_rank_answers_zero(dist):
         yield
     finally:
         dist.get_rank = original
+
+
+def no_upstream_hyper_connections() -> bool:
+    """megatron-core has no mHC of its own (upstream adds ``enable_hyper_connections``)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return "enable_hyper_connections" not in TransformerConfig.__dataclass_fields__
+
+
+def _schedule_with_stream_rows(schedule):
+    """``schedule`` whose P2P buffers hold n residual streams when the model enables mHC."""
+
+    @functools.wraps(schedule)
+    def run(*, model, seq_length, decoder_seq_length=None, **kwargs):
+        from megatron.core.utils import get_model_config
+
+        config = get_model_config(model[0] if isinstance(model, list) else model)
+        if getattr(config, "enable_hyper_connections", False):
+            seq_length = seq_length * config.num_residual_streams
+            if decoder_seq_length is not None:
+                decoder_seq_length = decoder_seq_length * config.num_residual_streams
+        return schedule(model=model, seq_length=seq_length,
+                        decoder_seq_length=decoder_seq_length, **kwargs)
+
+    return run
+
+
+def pipeline_shapes_for_hyper_connections(ctx) -> None:
+    from megatron.core.pipeline_parallel import schedules
+
+    for name in ("forward_backward_pipelining_without_interleaving",
+                 "forward_backward_pipelining_with_interleaving"):
+        ctx.set(schedules, name, _schedule_with_stream_rows(getattr(schedules, name)))

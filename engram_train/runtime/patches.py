@@ -202,6 +202,19 @@ PATCHES: tuple[Patch, ...] = (
         "process group has not been initialized'",
         apply=megatron_fixes.blended_dataset_rank_zero_alone,
     ),
+    Patch(
+        name="mhc_pipeline_shapes",
+        versions=">=0.16.1,<0.20",
+        upstream="pipeline_parallel/schedules.py: the pipelined schedules allocate P2P buffers "
+        "of [seq_length, micro_batch_size, config.hidden_size]; with mHC a stage sends n "
+        "residual streams ([s, b, n*h], as upstream megatron-core's mHC after 0.19 does). The "
+        "schedules are given seq_length x n when the model enables hyper connections "
+        "(models/hyper_connection_model.py reads the buffers as [s, b, n*h]).",
+        verify="ENGRAM_DISABLE_PATCHES=mhc_pipeline_shapes: tests/test_hyper_connections.py's "
+        "pipeline layouts fail with 'is not a [n*s, b, h] mHC buffer'",
+        apply=megatron_fixes.pipeline_shapes_for_hyper_connections,
+        needed=megatron_fixes.no_upstream_hyper_connections,
+    ),
 )
 
 CPU_PATCHES = ("cpu_cuda_redirects", "cpu_rng_tracker")
@@ -211,6 +224,7 @@ MEGATRON_FIXES = (
     "distopt_torch_adam_step_on_load",
     "distopt_load_into_fresh_torch_adam",
     "distopt_shared_torch_adam_step",
+    "mhc_pipeline_shapes",  # a missing feature rather than a bug: mHC stages exchange n streams
 )
 DATASET_PATCHES = ("blended_dataset_without_process_group",)
 

@@ -1,0 +1,147 @@
+"""DeepSeek's manifold-constrained hyper-connections (mHC, arXiv 2512.24880), in plain torch.
+
+The residual stream becomes ``n`` streams ``X [s, b, n, h]``. Each sublayer (attention, MLP/MoE)
+reads one collapsed input ``u = sum_j H_pre[j] X[j]`` and writes back through
+``X'[k] = H_post[k] y + sum_j C[j, k] X[j]``, where ``C`` is a doubly stochastic mixing matrix
+(Sinkhorn projection), so stream mixing neither grows nor shrinks the residual. The mappings
+are computed per token from the RMS-normalized streams, in float32 whatever the model dtype.
+The numerics are DeepSeek-V4's released form (``docs/mhc.md``); parameter names and shapes are
+those of upstream megatron-core and of transformers' ``DeepseekV4Model`` (``attn_hc``,
+``ffn_hc``: ``fn``, ``base``, ``scale``; ``hc_head``: ``hc_fn``, ``hc_base``, ``hc_scale``).
+
+Nothing here knows megatron: ``models/hyper_connection_layer.py`` wraps megatron's layers
+with these modules, ``models/hyper_connection_model.py`` expands and collapses the streams.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+HC_EPS = 1e-6
+"""``eps_hc``: added to H_pre, C and the Sinkhorn denominators (DeepSeek-V4)."""
+
+RESIDUAL_OFF_DIAGONAL_BIAS = -8.0
+"""Init of ``b_res`` off the diagonal (0 on it): C starts at ~0.999 on the diagonal, close to
+a plain residual per stream, yet far enough from saturation for the mixing to learn."""
+
+
+def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / rms(x)`` over the last dim, no weight (the mappings' input normalization)."""
+    return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
+
+
+def sinkhorn(logits: torch.Tensor, iterations: int, eps: float = HC_EPS) -> torch.Tensor:
+    """Doubly stochastic projection of ``[..., n, n]`` logits: row softmax, then alternate
+    column and row normalizations (``iterations`` column steps in all), DeepSeek-V4's form."""
+    c = torch.softmax(logits, dim=-1) + eps
+    c = c / (c.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iterations - 1):
+        c = c / (c.sum(dim=-1, keepdim=True) + eps)
+        c = c / (c.sum(dim=-2, keepdim=True) + eps)
+    return c
+
+
+def _check_streams(x: torch.Tensor, num_streams: int, hidden_size: int, who: str) -> None:
+    if x.ndim != 4 or x.shape[2] != num_streams or x.shape[3] != hidden_size:
+        raise ValueError(
+            f"{who} expects the residual streams as [s, b, {num_streams}, {hidden_size}] "
+            f"(sequence first, num_residual_streams={num_streams}), got {tuple(x.shape)}"
+        )
+
+
+class HyperConnection(nn.Module):
+    """The mapping around one sublayer: ``forward(X)`` gives the sublayer's input ``u`` and
+    the write-back weights ``H_post``, ``C``; ``mix(X, y, H_post, C)`` applies them to the
+    sublayer's output ``y``. The sublayer itself (norm + attention or MLP) runs in between,
+    unchanged."""
+
+    def __init__(self, hidden_size: int, num_streams: int, sinkhorn_iterations: int = 20,
+                 eps: float = HC_EPS, norm_eps: float = 1e-6, device=None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        if num_streams < 2:
+            raise ValueError(f"num_residual_streams={num_streams} must be >= 2 for mHC")
+        if sinkhorn_iterations < 1:
+            raise ValueError(f"mhc_sinkhorn_iterations={sinkhorn_iterations} must be >= 1")
+        n = num_streams
+        factory = {"device": device, "dtype": dtype or torch.float32}
+        self.hidden_size, self.num_streams = int(hidden_size), int(n)
+        self.sinkhorn_iterations = int(sinkhorn_iterations)
+        self.eps, self.norm_eps = float(eps), float(norm_eps)
+        self.fn = nn.Parameter(torch.empty((2 + n) * n, n * hidden_size, **factory))
+        self.base = nn.Parameter(torch.empty((2 + n) * n, **factory))
+        self.scale = nn.Parameter(torch.empty(3, **factory))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self, gating_factor: float = 0.01, std: float = 0.02) -> None:
+        """The spec's start: H_pre = 1/n, H_post = 1, C near the identity."""
+        n = self.num_streams
+        self.fn.normal_(0.0, std)
+        self.scale.fill_(gating_factor)
+        b_pre, b_post, b_res = self.base.split([n, n, n * n])
+        b_pre.fill_(-math.log(n - 1))
+        b_post.zero_()
+        b_res.copy_(RESIDUAL_OFF_DIAGONAL_BIAS * (1 - torch.eye(n)).flatten())
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``X [s, b, n, h]`` -> ``(u [s, b, h] in X's dtype, H_post [s, b, n], C [s, b, n, n])``,
+        the last two in float32."""
+        _check_streams(x, self.num_streams, self.hidden_size, "HyperConnection")
+        s, b, n, h = x.shape
+        r = unweighted_rms_norm(x.reshape(s, b, n * h).float(), self.norm_eps)
+        m = nn.functional.linear(r, self.fn.float())
+        scale, base = self.scale.float(), self.base.float()
+        m_pre, m_post, m_res = m.split([n, n, n * n], dim=-1)
+        b_pre, b_post, b_res = base.split([n, n, n * n])
+        h_pre = torch.sigmoid(scale[0] * m_pre + b_pre) + self.eps
+        h_post = 2 * torch.sigmoid(scale[1] * m_post + b_post)
+        c = sinkhorn((scale[2] * m_res + b_res).view(s, b, n, n), self.sinkhorn_iterations,
+                     self.eps)
+        u = torch.matmul(h_pre.to(x.dtype).unsqueeze(-2), x).squeeze(-2)
+        return u, h_post, c
+
+    @staticmethod
+    def mix(x: torch.Tensor, y: torch.Tensor, h_post: torch.Tensor, c: torch.Tensor
+            ) -> torch.Tensor:
+        """``X'[k] = H_post[k] y + sum_j C[j, k] X[j]``, in X's dtype: ``[s, b, n, h]``."""
+        dtype = x.dtype
+        mixed = torch.matmul(c.to(dtype).transpose(-1, -2), x)
+        return torch.addcmul(mixed, h_post.to(dtype).unsqueeze(-1), y.to(dtype).unsqueeze(-2))
+
+
+class HyperHead(nn.Module):
+    """The collapse of the streams before the final norm: ``out = sum_j w[j] X[j]``."""
+
+    def __init__(self, hidden_size: int, num_streams: int, eps: float = HC_EPS,
+                 norm_eps: float = 1e-6, device=None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        if num_streams < 2:
+            raise ValueError(f"num_residual_streams={num_streams} must be >= 2 for mHC")
+        n = num_streams
+        factory = {"device": device, "dtype": dtype or torch.float32}
+        self.hidden_size, self.num_streams = int(hidden_size), int(n)
+        self.eps, self.norm_eps = float(eps), float(norm_eps)
+        self.hc_fn = nn.Parameter(torch.empty(n, n * hidden_size, **factory))
+        self.hc_base = nn.Parameter(torch.empty(n, **factory))
+        self.hc_scale = nn.Parameter(torch.empty(1, **factory))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self, gating_factor: float = 0.01, std: float = 0.02) -> None:
+        """The spec's start: w = 1/n on every stream."""
+        self.hc_fn.normal_(0.0, std)
+        self.hc_scale.fill_(gating_factor)
+        self.hc_base.fill_(-math.log(self.num_streams - 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``X [s, b, n, h]`` -> ``[s, b, h]`` in X's dtype."""
+        _check_streams(x, self.num_streams, self.hidden_size, "HyperHead")
+        s, b, n, h = x.shape
+        r = unweighted_rms_norm(x.reshape(s, b, n * h).float(), self.norm_eps)
+        w = torch.sigmoid(self.hc_scale.float() * nn.functional.linear(r, self.hc_fn.float())
+                          + self.hc_base.float()) + self.eps
+        return torch.matmul(w.to(x.dtype).unsqueeze(-2), x).squeeze(-2)
