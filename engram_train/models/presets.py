@@ -14,14 +14,23 @@ CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
 
 
 def model_preset(name: str) -> dict[str, Any]:
-    """The ``model`` section of preset ``name`` as a plain dict (interpolations unresolved)."""
+    """The ``model`` section of preset ``name`` as a plain dict (interpolations unresolved).
+    A preset that starts from another (Hydra's ``defaults: [base, _self_]``) is merged onto it,
+    as Hydra composes it."""
     from omegaconf import OmegaConf
 
     path = Path(CONF_DIR, "model", f"{name}.yaml")
     if not path.is_file():
         known = sorted(p.stem for p in Path(CONF_DIR, "model").glob("*.yaml"))
         raise ValueError(f"no model preset {name!r} (conf/model/{name}.yaml); presets: {known}")
-    return OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    own = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    defaults = list(own.pop("defaults", None) or [])
+    if "_self_" not in defaults:
+        defaults.append("_self_")
+    merged: dict[str, Any] = {}
+    for base in defaults:
+        merged.update(own if base == "_self_" else model_preset(base))
+    return merged
 
 
 def backbone_preset(name: str) -> dict[str, Any]:

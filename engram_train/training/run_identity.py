@@ -47,7 +47,11 @@ SHAPE_FIELDS = (
     "normalization",
     "qk_layernorm",
     "mtp_num_layers",
+    "enable_hyper_connections",
+    "num_residual_streams",
 )
+# Shape fields recorded after checkpoints already existed: their value in an older checkpoint.
+SHAPE_FIELD_DEFAULTS = {"enable_hyper_connections": False, "num_residual_streams": None}
 ENGRAM_FIELDS = (
     "engram_seed",
     "engram_layer_ids",
@@ -117,6 +121,9 @@ def engram_identity(config, mapping) -> dict:
 
 def model_identity(config, padded_vocab_size: int) -> dict:
     shape = {name: getattr(config, name, None) for name in SHAPE_FIELDS}
+    shape["enable_hyper_connections"] = bool(shape["enable_hyper_connections"])
+    if not shape["enable_hyper_connections"]:
+        shape["num_residual_streams"] = None  # one stream: the option does not apply
     shape["padded_vocab_size"] = int(padded_vocab_size)
     return _plain(shape)
 
@@ -149,9 +156,14 @@ def check_run_identity(saved: Mapping | None, current: Mapping, *, load_engram: 
     if not saved:
         return
     lines: list[str] = []
-    for key, old, new in _diff(saved.get("model") or {}, current["model"]):
+    saved_model = {**SHAPE_FIELD_DEFAULTS, **(saved.get("model") or {})}
+    for key, old, new in _diff(saved_model, current["model"]):
         if key == "padded_vocab_size":
             what = "data.tokenizer (vocabulary size, padded to a multiple of 128 x tensor parallel)"
+        elif key == "enable_hyper_connections":
+            what = (f"model.enable_hyper_connections (mHC): the checkpoint's backbone has "
+                    f"{'n residual streams and their mapping parameters' if old else 'one residual stream'}, "
+                    f"this run's {'has' if new else 'has not'}")
         else:
             what = f"model.{key}"
         lines.append(
