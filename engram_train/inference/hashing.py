@@ -13,7 +13,6 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from engram_train.engram.tokenizer import check_raw_ids
 
 
 class IncrementalNgramHasher:
@@ -67,9 +66,11 @@ class IncrementalNgramHasher:
         if ids.ndim != 2 or history.ndim != 2 or ids.shape[0] != history.shape[0]:
             raise ValueError(f"token_ids must be [B, T] for B={history.shape[0]} sequences, got "
                              f"shape {tuple(ids.shape)}")
-        check_raw_ids(ids, self.num_raw_ids)
+        check_prompt_ids(ids, self.num_raw_ids)
         ids = ids.astype(np.int64, copy=False)
         batch, seq = ids.shape
+        if seq == 0:  # nothing new: the history stays as it is
+            return np.empty((len(self.layer_ids), batch, 0, self.num_heads), dtype=np.int64)
         lead = self.history_length
         window = np.concatenate([history, self.lookup[ids]], axis=1)  # [B, lead + T]
         shifts = [window[:, lead - k: lead - k + seq] for k in range(self.max_ngram_size)]
@@ -100,3 +101,23 @@ class IncrementalNgramHasher:
             kept = np.arange(seq, seq + lead)[None, :] >= last_start
             history[:] = np.where(kept, history, self.pad_id)
         return out
+
+
+def check_prompt_ids(ids: np.ndarray, num_raw_ids: int) -> None:
+    """Raise naming the expected dtype (integers) or the first id outside [0, num_raw_ids)."""
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise TypeError(f"token ids must be integers (torch.int64 / numpy.int64, or nested lists of "
+                        f"ints), got dtype {ids.dtype}")
+    if ids.size == 0:
+        return
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo >= 0 and hi < num_raw_ids:
+        return
+    bad = lo if lo < 0 else hi
+    index = tuple(int(i) for i in np.unravel_index(int(np.argmax(ids == bad)), ids.shape))
+    raise ValueError(
+        f"token id {bad} at [sequence, position] {list(index)} of the prompt is outside the "
+        f"export's tokenizer range [0, {num_raw_ids}): the prompt was tokenized with another "
+        "tokenizer. Tokenize prompts with the export's tokenizer.json "
+        "(EngramMemory.check_tokenizer compares a tokenizer file with it)"
+    )

@@ -221,6 +221,8 @@ class EngramMemory:
         token per sequence) appended to `state`'s sequences; advances the hashing state."""
         ids = token_ids.cpu().numpy() if isinstance(token_ids, torch.Tensor) else np.asarray(
             token_ids)
+        if ids.size == 0 and ids.dtype == np.float64 and not isinstance(token_ids, torch.Tensor):
+            ids = ids.astype(np.int64)  # numpy reads an empty list ([[]]) as float64
         if ids.ndim == 1:
             ids = ids[:, None]
         hashed = self.hasher.extend(state.history, ids)
@@ -268,6 +270,13 @@ class EngramMemory:
         """Engram output (residual not included) for the newest T positions: hidden [B, T, d]
         (or [B, T, G, d]) and their memory [B, T, E] -> [B, T, d]; advances the conv state."""
         module = self.layers[str(layer_id)]
+        dtype = self._dtype(layer_id)
+        if hidden_states.dtype != dtype:
+            raise TypeError(
+                f"layer {layer_id}: hidden_states has dtype {hidden_states.dtype}, this EngramMemory "
+                f"runs in {dtype} (its dtype argument, or the export's): pass "
+                f"hidden_states.to({dtype})"
+            )
         steps = hidden_states.shape[1]
         if state.applied[layer_id] + steps > state.hashed:
             raise ValueError(
@@ -275,6 +284,8 @@ class EngramMemory:
                 f"{state.hashed - state.applied[layer_id]} hashed tokens are waiting: call hash "
                 "(or prefetch) with the new tokens first"
             )
+        if steps == 0:  # an empty prompt: nothing to compute, the conv state stays
+            return hidden_states.new_empty(hidden_states.shape)
         conv = module.short_conv
         conv.state = state.conv[layer_id]
         try:
