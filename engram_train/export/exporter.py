@@ -113,6 +113,95 @@ def resolve_checkpoint(load: str | os.PathLike, iteration: int | None = None
     return root, directory, iteration
 
 
+# -- verifying the checkpoint before reading it ---------------------------------------------
+
+def verify_files(directory: Path, *, checksums: bool = True,
+                 log: Callable[[str], None] = lambda _: None) -> dict | None:
+    """The trainer's load check: every file's size (and with `checksums` its SHA-256) against
+    the checkpoint's ``manifest.json``; returns the manifest (None, with a warning, for a
+    checkpoint saved before manifests existed). `ExportError` naming each damaged file."""
+    from engram_train.checkpointing import MANIFEST, DamagedCheckpointError, read_manifest
+    from engram_train.checkpointing import check_checkpoint as check_files
+
+    try:
+        manifest = read_manifest(directory)
+    except DamagedCheckpointError as err:
+        raise ExportError(f"checkpoint {directory} is damaged; nothing was exported:\n  {err}") from None
+    if manifest is None:
+        log(f"warning: {directory} has no {MANIFEST} (saved before manifests existed): its files "
+            "could not be checked for damage (sizes, SHA-256), nor its run identity (Engram hash "
+            "seed, tokenizer, N, H, layer ids, primes, multipliers) against the run config; only "
+            "the Engram tensor shapes and head offsets are checked")
+        return None
+    problems = check_files(directory, checksums=checksums)
+    if problems:
+        raise ExportError(
+            f"checkpoint {directory} is damaged; nothing was exported:\n  " + "\n  ".join(problems)
+            + "\nRestore these files, or export another iteration (--iteration N)"
+        )
+    size = sum(int(f["size"]) for f in manifest["files"].values())
+    log(f"{len(manifest['files'])} files ({size / 2**20:.1f} MiB) match {MANIFEST} "
+        + ("(sizes and SHA-256)" if checksums else "(sizes only: --no-verify)"))
+    return manifest
+
+
+def _changed(old: Any, new: Any) -> str:
+    """Both values, or for mappings only the entries that differ."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        keys = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+        return "; ".join(f"{k} {_short(old.get(k))} in the checkpoint, {_short(new.get(k))} here"
+                         for k in keys)
+    return f"{_short(old)} in the checkpoint, {_short(new)} here"
+
+
+def _short(value: Any, limit: int = 70) -> str:
+    text = value if isinstance(value, str) else json.dumps(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def check_run_identity(manifest: dict | None, engram, mapping, where: str, directory: Path,
+                       log: Callable[[str], None] = lambda _: None) -> None:
+    """The Engram hash identity the trainer stored in the manifest against the one the run
+    config gives (training/run_identity.py): seed, tokenizer digest and sizes, N, H, layer ids,
+    table sizes, pad id, primes, multipliers, conv and EOS settings. A difference would serve
+    every n-gram from rows trained for another: `ExportError` naming each field, both values."""
+    from engram_train.training.run_identity import ENGRAM_DERIVED, ENGRAM_FIELDS, engram_identity
+
+    if manifest is None:
+        return  # verify_files warned
+    run = manifest.get("run")
+    if not run:
+        log(f"warning: {directory}/manifest.json records no run identity (saved by a tool, or "
+            "before identities existed): the Engram hash seed, tokenizer, N, H, layer ids, primes "
+            f"and multipliers could not be compared with {where}")
+        return
+    if not run.get("use_engram"):
+        raise ExportError(f"{directory} was trained without Engram (its manifest says "
+                          f"use_engram=false), but {where} has use_engram=true: there is no "
+                          "Engram memory to export")  # fmt: skip
+    saved, current = run.get("engram") or {}, engram_identity(engram, mapping)
+    changes = [(k, saved.get(k), current.get(k)) for k in sorted(set(saved) | set(current))
+               if saved.get(k) != current.get(k)]
+    if any(k in ENGRAM_FIELDS or k == "tokenizer" for k, _, _ in changes):
+        # what is derived from a changed setting says nothing new
+        changes = [c for c in changes if c[0] in ENGRAM_FIELDS or c[0] == "tokenizer"]
+    if not changes:
+        return
+    lines = []
+    for key, old, new in changes:
+        what = ENGRAM_DERIVED.get(key, f"model.{key}")
+        if key == "tokenizer":
+            what = "model.engram_tokenizer_name_or_path (or --tokenizer): the compressed vocabulary"
+        lines.append(f"{what}: {_changed(old, new)}")
+    raise ExportError(
+        f"{where} does not match the run identity stored with checkpoint {directory}:\n  - "
+        + "\n  - ".join(lines)
+        + "\nThe export would hash tokens to rows trained for other n-grams. Pass the run config "
+        "this checkpoint was trained with (--config <experiment.exp_dir>/config.yaml), or set "
+        "these fields in it to the checkpoint's values"
+    )
+
+
 # -- the run config -------------------------------------------------------------------------
 
 def _read_yaml(path: Path) -> dict:
@@ -282,10 +371,12 @@ class ExportPlan:
     backbone: list[StoredTensor]
 
 
-def plan_export(load, *, iteration=None, config=None, tokenizer=None,
+def plan_export(load, *, iteration=None, config=None, tokenizer=None, verify=True,
                 log: Callable[[str], None] = lambda _: None) -> ExportPlan:
-    """Locate the checkpoint and its run config, build the hash constants and check every
-    Engram tensor of the checkpoint against them (see `check_checkpoint`)."""
+    """Locate the checkpoint, verify its files against its manifest (`verify_files`; with
+    `verify` false sizes only), find its run config and build the hash constants, compare them
+    with the run identity the manifest stores (`check_run_identity`) and check every Engram
+    tensor of the checkpoint against them (`check_checkpoint`)."""
     from engram_train.engram.hashing import NgramHashMapping
     from engram_train.engram.tokenizer import (
         CompressedTokenizer,
@@ -294,6 +385,7 @@ def plan_export(load, *, iteration=None, config=None, tokenizer=None,
     )
 
     root, directory, iteration = resolve_checkpoint(load, iteration)
+    manifest = verify_files(directory, checksums=verify, log=log)  # before anything is read
     try:
         reader = DistCheckpointReader(directory)
     except CheckpointFormatError as err:
@@ -318,6 +410,8 @@ def plan_export(load, *, iteration=None, config=None, tokenizer=None,
     except ValueError as err:
         raise ExportError(f"{where}: {err}") from None
 
+    check_run_identity(manifest, engram, mapping, where if tokenizer is None else
+                       f"{where} with --tokenizer {tokenizer}", directory, log)
     layers = check_checkpoint(reader, engram, hidden_size, mapping, where)
     engram_keys = {key for keys in layers.values() for key in keys.values()}
     backbone = [reader.tensors[k] for k in reader.model_keys() if k not in engram_keys]
@@ -390,6 +484,7 @@ def export_checkpoint(
     force: bool = False,
     table_dtype: str | None = None,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    verify: bool = True,
     log: Callable[[str], None] | None = None,
 ) -> Path:
     """Write the export of checkpoint `load` into `out` (see the module docstring); returns
@@ -405,7 +500,8 @@ def export_checkpoint(
     if max_shard_bytes < 1:
         raise ExportError(f"--max-shard-size must be positive, got {max_shard_bytes}")
 
-    plan = plan_export(load, iteration=iteration, config=config, tokenizer=tokenizer, log=log)
+    plan = plan_export(load, iteration=iteration, config=config, tokenizer=tokenizer, verify=verify,
+                       log=log)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
     try:
@@ -492,6 +588,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-shard-size", type=_parse_size, default=DEFAULT_SHARD_BYTES,
                         metavar="SIZE", help="largest backbone file, e.g. 5GB (default)")
     parser.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    parser.add_argument("--no-verify", dest="verify", action="store_false",
+                        help="skip the SHA-256 of every checkpoint file against its manifest "
+                             "(sizes are still compared); for very large checkpoints")
     return parser
 
 
@@ -501,7 +600,7 @@ def main(argv: list[str] | None = None) -> None:
         export_checkpoint(
             args.load, args.out, iteration=args.iteration, config=args.config,
             tokenizer=args.tokenizer, force=args.force, table_dtype=args.table_dtype,
-            max_shard_bytes=args.max_shard_size,
+            max_shard_bytes=args.max_shard_size, verify=args.verify,
         )
     except ExportError as err:
         raise SystemExit(f"engram-export: error: {err}") from None
