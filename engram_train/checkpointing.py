@@ -176,6 +176,39 @@ def remove_leftovers(root: str | os.PathLike) -> list[Path]:
     return removed
 
 
+SET_ASIDE_SUFFIX = ".diverged"
+
+
+def retract_checkpoints(root: str | os.PathLike, set_aside: list[int], below: int) -> tuple[list[str], int | None]:
+    """Take checkpoints out of service after a divergence (rank 0 only).
+
+    Each ``iter_N`` of ``set_aside`` is renamed ``iter_N.diverged`` (kept for inspection; no
+    loader, scan or cleanup picks it up), and the tracker is pointed at the newest complete
+    checkpoint below iteration ``below``, or removed when there is none. Returns the new names
+    and the iteration the tracker now names.
+    """
+    root = Path(root)
+    renamed = []
+    for iteration in sorted(set_aside):
+        path = iteration_dir(root, iteration)
+        if not path.is_dir():
+            continue
+        target, n = path.with_name(path.name + SET_ASIDE_SUFFIX), 1
+        while target.exists():  # set aside before, by an earlier run
+            target, n = path.with_name(f"{path.name}{SET_ASIDE_SUFFIX}.{n}"), n + 1
+        os.replace(path, target)
+        renamed.append(target.name)
+    good = [i for i in list_checkpoints(root) if i < below]
+    latest = good[-1] if good else None
+    if latest is not None:
+        if read_tracker(root) != latest:
+            _write_atomic(root / TRACKER, str(latest))
+    else:
+        (root / TRACKER).unlink(missing_ok=True)
+    _fsync_dir(root)
+    return renamed, latest
+
+
 # -- checksums ------------------------------------------------------------------------------------
 
 

@@ -20,10 +20,12 @@ Configuration: conf/train.yaml (+ conf/model/*.yaml), every key documented in RE
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
 import shutil
+import sys
 import time
 import types
 from dataclasses import dataclass
@@ -146,8 +148,10 @@ def check(cfg: DictConfig) -> Plan:
         DamagedCheckpointError,
     )
     from engram_train.data import load_tokenizer
+    from engram_train.engram.tokenizer import TokenizerNotFoundError
+    from engram_train.training.divergence import guard_from_config
     from engram_train.training.faults import check_writable
-    from engram_train.training.run_config import padded_vocab_size, validate_run_config
+    from engram_train.training.run_config import ConfigError, padded_vocab_size, validate_run_config
     from engram_train.training.run_identity import run_identity
 
     # megatron logs every parameter name at INFO while building the optimizer; keep its warnings.
@@ -164,10 +168,14 @@ def check(cfg: DictConfig) -> Plan:
     if model_config.use_engram:
         from engram_train.engram.hashing import NgramHashMapping
 
-        mapping = NgramHashMapping(model_config, num_threads=int(cfg.data.get("hash_threads", 1)))
+        try:
+            mapping = NgramHashMapping(model_config, num_threads=int(cfg.data.get("hash_threads", 1)))
+        except (ValueError, TokenizerNotFoundError) as e:  # pad id, tokenizer path: the config's
+            raise ConfigError(f"model: {e}") from None
     plan = Plan(model_config, tokenizer, vocab_size, mapping,
                 run_identity(model_config, vocab_size, mapping), resume_from=None)  # fmt: skip
     _expected_schedule(cfg)  # a schedule megatron would refuse fails here, not after the build
+    guard_from_config(cfg, vocab_size)  # its keys
 
     load = cfg.checkpoint.load
     if not (load and has_checkpoints(load)):
@@ -327,6 +335,7 @@ class Progress:
     consumed: int = 0
     last_saved: int | None = None
     nonfinite_steps: int = 0
+    saved: list = dataclasses.field(default_factory=list)  # iterations this run saved
 
 
 def _rotate_outputs(exp_dir: Path) -> None:
@@ -415,9 +424,28 @@ def _validation_loss(job: Job) -> float | None:
     return None if losses[0] is None else sum(losses) / len(losses)
 
 
-def _nonfinite_step(job: Job, progress: Progress, result) -> None:
+def _retract(job: Job, progress: Progress, first_abnormal: int) -> tuple[list[str], int | None]:
+    """Take this run's checkpoints from iteration ``first_abnormal - 1`` on out of service and
+    point the tracker at the newest one below (divergence.py); the same answer on every rank."""
+    import torch.distributed as dist
+
+    from engram_train.checkpointing import retract_checkpoints
+
+    save = job.cfg.checkpoint.save
+    if not save:
+        return [], None
+    holder = [None]
+    if job.rank == 0:
+        holder[0] = retract_checkpoints(save, [i for i in progress.saved if i >= first_abnormal - 1],
+                                        below=first_abnormal - 1)  # fmt: skip
+    dist.broadcast_object_list(holder, src=0)  # every rank waits for rank 0's renames
+    return holder[0]
+
+
+def _nonfinite_step(job: Job, progress: Progress, result, guard) -> None:
     """Count a step whose loss or grad norm was NaN/inf; stop once the budget is spent."""
     from engram_train.checkpointing import read_tracker
+    from engram_train.training.divergence import stop_message
     from engram_train.training.faults import NonFiniteTrainingError
 
     budget = int(job.cfg.train.nonfinite_skip_budget)
@@ -428,15 +456,34 @@ def _nonfinite_step(job: Job, progress: Progress, result) -> None:
             log.warning("%s: update skipped (%d of train.nonfinite_skip_budget=%d)", what,
                         progress.nonfinite_steps, budget)  # fmt: skip
         return
+    stopped = (f"{what}; {progress.nonfinite_steps} such steps, more than train.nonfinite_skip_budget="
+               f"{budget}. Stopped without saving")  # fmt: skip
     save = job.cfg.checkpoint.save
+    if guard is not None:
+        set_aside, good = _retract(job, progress, guard.first_abnormal)
+        raise NonFiniteTrainingError(
+            stop_message(f"{stopped}; the parameters were not updated by these steps (raise "
+                         "train.nonfinite_skip_budget to skip more such steps).",
+                         guard.first_abnormal, set_aside, good, save, job.cfg)  # fmt: skip
+        )
     latest = read_tracker(save) if save else None
     newest = f"the newest checkpoint is iteration {latest} in {save}" if latest is not None else "no checkpoint exists"
     raise NonFiniteTrainingError(
-        f"{what}; {progress.nonfinite_steps} such steps, more than train.nonfinite_skip_budget="
-        f"{budget}. Stopped without saving ({newest}); the parameters were not updated by these "
+        f"{stopped} ({newest}); the parameters were not updated by these "
         "steps. Resume from the checkpoint once the cause is found (a lower train.lr, the data), "
         "or raise train.nonfinite_skip_budget to skip more such steps"
     )
+
+
+def _diverged(job: Job, progress: Progress, guard, verdict) -> None:
+    """The guard saw a loss spike or a collapsed model: set checkpoints aside and stop."""
+    from engram_train.training.divergence import DivergenceError, stop_message
+
+    set_aside, good = _retract(job, progress, guard.first_abnormal)
+    raise DivergenceError(stop_message(
+        f"training diverged at iteration {progress.iteration}: {verdict.reason}. Stopped without saving.",
+        guard.first_abnormal, set_aside, good, job.cfg.checkpoint.save, job.cfg,
+    ))  # fmt: skip
 
 
 def train(job: Job, progress: Progress) -> dict:
@@ -444,6 +491,7 @@ def train(job: Job, progress: Progress) -> dict:
     from megatron.core.optimizer_param_scheduler import get_canonical_lr_for_logging
 
     from engram_train.metrics import format_eval_line, format_log_line
+    from engram_train.training.divergence import SUSPECT, guard_from_config
     from engram_train.training.engram_timing import EngramStepTimes
     from engram_train.training.faults import SkipNonFiniteUpdate, StopCheck
     from engram_train.training.step import train_step
@@ -451,6 +499,8 @@ def train(job: Job, progress: Progress) -> dict:
     t, c = job.cfg.train, job.cfg.checkpoint
     stop_check = StopCheck(job.signals, t.exit_duration_in_mins)
     guarded = SkipNonFiniteUpdate(job.optimizer)
+    guard = guard_from_config(job.cfg, job.plan.vocab_size)  # None: train.divergence_guard=false
+    verdict = None
     train_iter = job.batches(job.train_ds, progress.consumed)
     engram_times = EngramStepTimes(train_iter) if job.hash_fn is not None else None
     tokens_per_step = t.global_batch_size * t.seq_length
@@ -463,11 +513,15 @@ def train(job: Job, progress: Progress) -> dict:
             progress.iteration += 1
             progress.consumed += t.global_batch_size
             window_steps += 1
-            stop = stop_check(nonfinite=guarded.skipped_nonfinite or not _finite(result.lm_loss))
+            stop = stop_check(nonfinite=guarded.skipped_nonfinite or not _finite(result.lm_loss), loss=result.lm_loss)
+            # The loss judges the weights of the previous iteration (divergence.py).
+            verdict = guard.observe(progress.iteration, stop.loss, result.grad_norm) if guard else None
+            diverged = verdict is not None and verdict.stop
+            abnormal = stop.nonfinite or (verdict is not None and verdict.abnormal)
             final = progress.iteration == t.train_iters
             log_now = (bool(t.log_interval) and progress.iteration % t.log_interval == 0) or final or stop.exit
             eval_now = bool(t.eval_interval) and (progress.iteration % t.eval_interval == 0 or final)
-            if log_now or eval_now or stop.nonfinite:
+            if log_now or eval_now or abnormal:
                 step_time = (time.perf_counter() - window_start) / window_steps
                 engram = engram_times.window(window_steps) if engram_times else {}
                 window_start, window_steps = time.perf_counter(), 0
@@ -476,7 +530,7 @@ def train(job: Job, progress: Progress) -> dict:
                     grad_norm=result.grad_norm, tokens_per_s=tokens_per_step / step_time, step_time_s=step_time,
                     **engram,
                 )  # fmt: skip
-                if eval_now and not stop.nonfinite:
+                if eval_now and not abnormal:
                     record["val_loss"] = _validation_loss(job)
                 if job.is_logger:
                     print(format_log_line(
@@ -490,27 +544,34 @@ def train(job: Job, progress: Progress) -> dict:
                         print(format_eval_line(progress.iteration, {"lm loss": record["val_loss"]}), flush=True)
                     last = job.metrics.log(progress.iteration, **record) or {}
             if stop.nonfinite:
-                _nonfinite_step(job, progress, result)
-            # A non-finite step is never checkpointed (its update was skipped; the state is
-            # the previous iteration's).
+                _nonfinite_step(job, progress, result, guard)
+            if diverged:
+                _diverged(job, progress, guard, verdict)
+            # An abnormal step is never checkpointed: a non-finite one (its update was skipped;
+            # the state is the previous iteration's), or one the guard suspects.
             due = (c.save_interval and progress.iteration % c.save_interval == 0) or stop.exit
-            if c.save and due and not stop.nonfinite:
+            if c.save and due and abnormal and verdict is not None and verdict.kind == SUSPECT and job.rank == 0:
+                log.warning("iteration %d: %s; not saved until a normal loss follows", progress.iteration,
+                            verdict.reason)  # fmt: skip
+            if c.save and due and not abnormal:
                 job.save(progress.iteration, progress.consumed)
                 progress.last_saved = progress.iteration
+                progress.saved.append(progress.iteration)
             if stop.exit:
                 reason = f"received {job.signals.received}" if stop.signal else "train.exit_duration_in_mins reached"
                 if progress.last_saved == progress.iteration:
                     saved = f"saved iteration {progress.iteration} to {c.save}"
                 elif c.save:
-                    saved = f"this step was not finite: nothing saved (newest: iteration {progress.last_saved})"
+                    saved = f"this step was abnormal: nothing saved (newest: iteration {progress.last_saved})"
                 else:
                     saved = "checkpoint.save is not set: nothing saved"
                 if job.rank == 0:
                     log.warning("%s: %s; exiting", reason, saved)
                 break
-        if c.save and progress.last_saved != progress.iteration and not stop.exit and not stop.nonfinite:
+        if c.save and progress.last_saved != progress.iteration and not stop.exit and not abnormal:
             job.save(progress.iteration, progress.consumed)
             progress.last_saved = progress.iteration
+            progress.saved.append(progress.iteration)
     finally:
         if hasattr(train_iter, "close"):
             train_iter.close()
@@ -538,19 +599,43 @@ def finish(job: Job) -> None:
     destroy_distributed()
 
 
+def _exit_with_message(message: str) -> None:
+    """Exit with code 1 after printing ``message`` once per node, without a traceback.
+
+    A config or input error is raised identically on every rank: the node's first rank
+    (LOCAL_RANK 0, or a process started without torchrun) prints it; the other ranks wait a
+    moment before exiting, so that torchrun, which stops the remaining workers as soon as one
+    exits, does not stop the printing rank first. (torchrun then reports the failed workers
+    in its own summary.)
+    """
+    import torch.distributed as dist
+
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        print(message, file=sys.stderr, flush=True)
+    elif dist.is_available() and dist.is_initialized():
+        time.sleep(2.0)
+    raise SystemExit(1)
+
+
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="train")
 def main(cfg: DictConfig) -> None:
+    """Errors the project raises on purpose (bad config or input, a refused checkpoint, a
+    diverged run) end with their message and exit code 1; anything else keeps its traceback."""
     from engram_train.checkpointing import CheckpointError
+    from engram_train.engram.tokenizer import TokenizerNotFoundError
+    from engram_train.runtime.patches import UntestedMegatronCoreError
+    from engram_train.training.divergence import DivergenceError
     from engram_train.training.faults import NonFiniteTrainingError
     from engram_train.training.run_config import ConfigError
     from engram_train.training.run_identity import ResumeMismatchError
 
     try:
         run(cfg)
-    except ConfigError as e:
-        raise SystemExit(f"engram-train: invalid configuration: {e}") from None
-    except (ResumeMismatchError, CheckpointError, NonFiniteTrainingError) as e:
-        raise SystemExit(f"engram-train: {e}") from None
+    except (ConfigError, TokenizerNotFoundError) as e:
+        _exit_with_message(f"engram-train: invalid configuration: {e}")
+    except (ResumeMismatchError, CheckpointError, NonFiniteTrainingError, DivergenceError,
+            UntestedMegatronCoreError) as e:
+        _exit_with_message(f"engram-train: {e}")
 
 
 if __name__ == "__main__":

@@ -142,6 +142,7 @@ class StopDecision:
     signal: bool = False
     time_limit: bool = False
     nonfinite: bool = False
+    loss: float | None = None  # the step's LM loss, on every rank (NaN when it was not finite)
 
     @property
     def exit(self) -> bool:
@@ -150,7 +151,9 @@ class StopDecision:
 
 class StopCheck:
     """One all-reduce (MAX) per iteration: did any rank get a signal, pass the wall-clock
-    limit, or see a non-finite loss / grad norm? Every rank gets the same answer."""
+    limit, or see a non-finite loss / grad norm? It also carries the step's LM loss from the
+    last pipeline stage to every rank (for the divergence guard). Every rank gets the same
+    answer."""
 
     def __init__(self, handler: ExitSignalHandler | None, exit_duration_mins: float | None,
                  start_time: float | None = None) -> None:
@@ -158,23 +161,28 @@ class StopCheck:
         self.limit_s = None if exit_duration_mins is None else float(exit_duration_mins) * 60.0
         self.start = time.time() if start_time is None else start_time
 
-    def __call__(self, nonfinite: bool) -> StopDecision:
+    def __call__(self, nonfinite: bool, loss: float | None = None) -> StopDecision:
         import torch.distributed as dist
 
         from engram_train.runtime.distributed import device
 
+        # A rank without the loss (not the last pipeline stage) sends -inf; a non-finite loss
+        # travels as +inf (NaN has no order) and comes back as NaN.
+        shared = -math.inf if loss is None else (float(loss) if math.isfinite(loss) else math.inf)
         flags = torch.tensor(
             [
                 float(bool(self.handler and self.handler.received)),
                 float(self.limit_s is not None and time.time() - self.start > self.limit_s),
                 float(bool(nonfinite)),
+                shared,
             ],
-            device=device(),
-        )
+            device=device(), dtype=torch.float64,
+        )  # fmt: skip
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        signal_, time_limit, bad = (bool(v) for v in flags.tolist())
-        return StopDecision(signal_, time_limit, bad)
+        signal_, time_limit, bad, shared = flags.tolist()
+        agreed = None if shared == -math.inf else (math.nan if shared == math.inf else shared)
+        return StopDecision(bool(signal_), bool(time_limit), bool(bad), agreed)
 
 
 # -- child processes ----------------------------------------------------------------------------
