@@ -238,7 +238,7 @@ def test_damaged_newest_checkpoint_falls_back_and_schedule_override_is_followed(
 def test_nonfinite_steps_stop_the_run_without_saving(tmp_path):
     """A learning rate of 1e35 blows the weights up; the steps after that are NaN. With a
     budget of 1 the first NaN step is skipped (and not checkpointed), the second stops the
-    run: the newest checkpoint is the last finite iteration."""
+    run. The checkpoint whose weights gave the first NaN loss is set aside, not offered."""
     exp, ckpt = tmp_path / "run", tmp_path / "ckpt"
     proc = run_trainer(
         f"experiment.exp_dir={exp}", f"checkpoint.save={ckpt}", "checkpoint.save_interval=1",
@@ -254,12 +254,90 @@ def test_nonfinite_steps_stop_the_run_without_saving(tmp_path):
     assert "update skipped (1 of train.nonfinite_skip_budget=1)" in proc.output
     assert (f"iteration {first + 1}: non-finite lm loss (nan) or grad norm (nan); 2 such steps, more than "
             "train.nonfinite_skip_budget=1. Stopped without saving") in proc.output
-    assert f"the newest checkpoint is iteration {first - 1} in {ckpt}" in proc.output
-    assert sorted(p.name for p in ckpt.iterdir()) == [f"iter_{i:07d}" for i in range(1, first)] + [TRACKER]
-    assert int((ckpt / TRACKER).read_text()) == first - 1
+    assert f"The first abnormal iteration is {first}" in proc.output
+    check_set_aside(ckpt, proc.output, first, saved=range(1, first))
+
+
+# -- rows: train.lr=1e3 (a loss spike); with warmup 0 (a collapsed model) ---------------------------
+
+
+def check_set_aside(ckpt: Path, output: str, first_abnormal: int, saved) -> None:
+    """Checkpoints from iteration first_abnormal - 1 on are renamed *.diverged, the tracker names
+    the newest one below (or is gone), and the message offers that one."""
     from engram_train.checkpointing import check_checkpoint
 
-    assert all(check_checkpoint(ckpt / f"iter_{i:07d}") == [] for i in range(1, first))
+    good = [i for i in saved if i < first_abnormal - 1]
+    aside = [i for i in saved if i >= first_abnormal - 1]
+    assert sorted(p.name for p in ckpt.iterdir()) == sorted(
+        [f"iter_{i:07d}" for i in good] + [f"iter_{i:07d}.diverged" for i in aside] + ([TRACKER] if good else [])
+    ), output[-3000:]
+    if aside:
+        assert "Set aside (renamed *.diverged, never loaded): " + ", ".join(
+            f"iter_{i:07d}.diverged" for i in aside) in output
+    if good:
+        assert int((ckpt / TRACKER).read_text()) == good[-1]
+        assert f"The newest good checkpoint is iteration {good[-1]} in {ckpt} (now the latest)" in output
+        assert check_checkpoint(ckpt / f"iter_{good[-1]:07d}") == []
+    else:
+        assert f"No checkpoint in {ckpt} was vouched for by a normal loss" in output
+    # printed once (by rank 0), without a traceback of the trainer
+    assert output.count("The first abnormal iteration is") == 1
+    assert f'File "{REPO / "engram_train"}' not in output and "HYDRA_FULL_ERROR" not in output
+
+
+def first_spike(records: list[dict], factor: float = 10.0) -> int | None:
+    """The first iteration whose loss exceeds factor x the largest of the earlier ones."""
+    for i, r in enumerate(records[1:], 1):
+        if r["lm_loss"] > factor * max(p["lm_loss"] for p in records[max(0, i - 100):i]):
+            return r["iteration"]
+    return None
+
+
+def test_loss_spike_stops_the_run_before_the_next_save(tmp_path):
+    """train.lr=1e3 for 5 iterations (issue 26): the loss jumps by orders of magnitude. Before
+    the guard the run ended with exit 0 and a collapsed model saved as the latest checkpoint."""
+    exp, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    proc = run_trainer(f"experiment.exp_dir={exp}", f"checkpoint.save={ckpt}", "checkpoint.save_interval=2",
+                       "train.lr=1e3", "train.train_iters=5", "train.log_interval=1", "train.eval_interval=null",
+                       expect=1)  # fmt: skip
+    records = read_metrics(exp)
+    spike = first_spike(records)
+    assert spike is not None and spike == records[-1]["iteration"] < 5, records
+    assert f"training diverged at iteration {spike}: lm loss" in proc.output
+    assert "more than train.divergence_spike_factor=10 times the largest of the last" in proc.output
+    assert "Lower train.lr (now 1000), lengthen train.lr_warmup_iters (now 20)" in proc.output
+    check_set_aside(ckpt, proc.output, spike, saved=[i for i in (2, 4) if i < spike])
+
+
+def test_collapsed_model_is_never_left_as_latest(tmp_path):
+    """train.lr=1e3 train.lr_warmup_iters=0, saving every 2 (issue 26): the loss spikes at once
+    and the run stops there. With the spike rule switched off, the model collapses (loss
+    ln(vocab), grad norm 0), which the collapse rule catches on its second step; a zero-gradient
+    step is not saved, and the checkpoint whose weights produced the first collapsed loss is set
+    aside."""
+    common = ["checkpoint.save_interval=2", "train.lr=1e3", "train.lr_warmup_iters=0", "train.train_iters=6",
+              "train.log_interval=1", "train.eval_interval=null"]  # fmt: skip
+    exp, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    proc = run_trainer(f"experiment.exp_dir={exp}", f"checkpoint.save={ckpt}", *common, expect=1)
+    records = read_metrics(exp)
+    spike = first_spike(records)
+    assert spike is not None and spike == records[-1]["iteration"], records
+    assert f"training diverged at iteration {spike}" in proc.output
+    check_set_aside(ckpt, proc.output, spike, saved=[i for i in (2, 4) if i < spike])
+
+    exp, ckpt = tmp_path / "run_collapse", tmp_path / "ckpt_collapse"
+    proc = run_trainer(f"experiment.exp_dir={exp}", f"checkpoint.save={ckpt}", *common, "checkpoint.save_interval=1",
+                       "train.divergence_spike_factor=1e30", expect=1)  # fmt: skip
+    records = read_metrics(exp)
+    uniform = math.log(4096)  # the demo tokenizer's vocabulary, already a multiple of 128
+    collapsed = [r["iteration"] for r in records if r["grad_norm"] == 0 and abs(r["lm_loss"] - uniform) < 1e-3 * uniform]
+    first = collapsed[0]
+    assert collapsed[:2] == [first, first + 1] == [first, records[-1]["iteration"]], records
+    assert f"iteration {first}: grad norm exactly 0 at lm loss" in proc.output and "not saved" in proc.output
+    assert (f"training diverged at iteration {first + 1}: grad norm exactly 0 for 2 consecutive steps at lm loss "
+            f"{records[-1]['lm_loss']:.6g} = ln(4096)") in proc.output
+    assert f"The first abnormal iteration is {first}" in proc.output
+    check_set_aside(ckpt, proc.output, first, saved=range(1, first))
 
 
 # -- rows: tracker deleted; SIGTERM; a stale .tmp; metrics not duplicated -------------------------
