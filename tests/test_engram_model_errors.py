@@ -26,10 +26,41 @@ def test_engram_layer_id_beyond_num_layers():
 
 
 def test_hc_mult_needs_hyper_connection_backbone():
-    with pytest.raises(ValueError, match=r"engram_hc_mult=2.*Set engram_hc_mult: 1"):
+    with pytest.raises(ValueError, match=r"engram_hc_mult=2 needs a multi-stream backbone: set "
+                                         r"enable_hyper_connections: true"):
         make(engram_hc_mult=2)
     engram_only = {k: v for k, v in BASE.items() if k in EngramConfig.field_names()}
     assert EngramConfig(**engram_only, engram_hc_mult=4).engram_hc_mult == 4  # reference module
+    assert EngramConfig(**engram_only).engram_hc_mult == 1
+
+
+def test_hc_mult_follows_the_residual_streams():
+    assert make(enable_hyper_connections=True).engram_hc_mult == 4
+    assert make(enable_hyper_connections=True, num_residual_streams=3).engram_hc_mult == 3
+    assert make(enable_hyper_connections=True, engram_hc_mult=4).engram_hc_mult == 4
+    assert make(engram_hc_mult=1).engram_hc_mult == 1
+    with pytest.raises(ValueError, match=r"engram_hc_mult=2 differs from num_residual_streams=4"):
+        make(enable_hyper_connections=True, engram_hc_mult=2)
+    # mHC without Engram: the Engram field does not matter
+    assert make(enable_hyper_connections=True, use_engram=False).enable_hyper_connections
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (dict(num_residual_streams=1), r"num_residual_streams=1 must be >= 2"),
+    (dict(mhc_sinkhorn_iterations=0), r"mhc_sinkhorn_iterations=0 must be >= 1"),
+    (dict(mhc_init_gating_factor=-0.1), r"mhc_init_gating_factor=-0.1 must be >= 0"),
+    (dict(mtp_num_layers=1), r"mtp_num_layers"),
+])
+def test_hyper_connection_values_are_checked(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        make(enable_hyper_connections=True, **overrides)
+
+
+def test_hyper_connection_types_are_checked():
+    with pytest.raises(TypeError, match="enable_hyper_connections must be a bool"):
+        make(enable_hyper_connections="yes")
+    with pytest.raises(TypeError, match="num_residual_streams value must be int"):
+        make(enable_hyper_connections=True, num_residual_streams=4.0)
 
 
 def test_context_parallel_is_rejected():
