@@ -123,3 +123,65 @@ def test_run_identity_refuses_a_resume_across_backbones():
     check_run_identity(old, plain, load_engram=False, where="ckpt")
     with pytest.raises(ResumeMismatchError, match="enable_hyper_connections"):
         check_run_identity(old, mhc, load_engram=False, where="ckpt")
+
+
+def test_export_round_trip_with_four_streams(tmp_path):
+    """Train the mHC demo preset 2 iterations, export it: the backbone carries the mapping
+    parameters under megatron's keys, the Engram layers have hc_mult = 4, and EngramMemory
+    serves them as the reference module (transcribed in test_export) loaded with the export."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import torch
+    from launch import REPO, free_port
+    from safetensors.torch import load_file
+    from test_export import DATA, TOKENIZER, RefEngram, ref_hash, ref_multipliers, ref_primes
+
+    from engram_train.export import export_checkpoint
+    from engram_train.inference import EngramMemory, megatron_state_dict
+
+    exp = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+           f"--master-port={free_port()}", "-m", "engram_train.train",
+           "model=deepseek_v3_tiny_mhc", "train.train_iters=2", "train.seq_length=64",
+           "train.eval_interval=null", "train.lr_warmup_iters=0", f"experiment.exp_dir={exp}",
+           f"checkpoint.save={exp / 'checkpoints'}", f"data.path={DATA}",
+           f"data.tokenizer={TOKENIZER}"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    out = tmp_path / "export"
+    export_checkpoint(exp / "checkpoints", out, log=lambda _: None)
+
+    doc = json.loads((out / "engram_config.json").read_text())
+    assert doc["engram"]["hc_mult"] == 4
+    backbone = megatron_state_dict(out)
+    for layer in range(4):
+        for sub in ("attn_hc", "ffn_hc"):
+            assert backbone[f"decoder.layers.{layer}.{sub}.fn"].shape == (24, 256)  # (2+n)n, nh
+            assert backbone[f"decoder.layers.{layer}.{sub}.base"].shape == (24,)
+            assert backbone[f"decoder.layers.{layer}.{sub}.scale"].shape == (3,)
+    assert backbone["decoder.hc_head.hc_fn"].shape == (4, 256)
+    assert backbone["decoder.layers.0.attn_hc.scale"].tolist() != [0.01] * 3  # trained
+
+    memory = EngramMemory(out)
+    lookup = load_file(str(out / "engram_hash.safetensors"))["compressed_lookup"].numpy()
+    multipliers = ref_multipliers([1, 3], 3, int(lookup.max()) + 1, seed=0)
+    primes = ref_primes([20011, 20011], 3, 4, [1, 3])
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 4096, (2, 12), generator=g)
+    hidden = torch.randn(2, 12, 4, 64, generator=g)
+    for layer in (1, 3):
+        ref = RefEngram(64, 4, [p for o in primes[layer] for p in o], 16, 3, 4)
+        ref.load_state_dict(load_file(str(out / f"engram_layer{layer}.safetensors")))  # strict
+        hash_ids = ref_hash(ids.numpy(), lookup, int(lookup[0]), multipliers[layer],
+                            primes[layer])
+        with torch.no_grad():
+            want = ref(hidden, torch.from_numpy(hash_ids))
+        state = memory.new_state(2)
+        got = memory.forward(layer, hidden, memory.prefetch(state, ids)[layer], state)
+        assert got.shape == (2, 12, 4, 64)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
