@@ -149,9 +149,9 @@ def _changed(old: Any, new: Any) -> str:
     """Both values, or for mappings only the entries that differ."""
     if isinstance(old, dict) and isinstance(new, dict):
         keys = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
-        return "; ".join(f"{k} {_short(old.get(k))} in the checkpoint, {_short(new.get(k))} here"
+        return "; ".join(f"{k} {_short(old.get(k))} in the checkpoint, {_short(new.get(k))} in the run config"
                          for k in keys)
-    return f"{_short(old)} in the checkpoint, {_short(new)} here"
+    return f"{_short(old)} in the checkpoint, {_short(new)} in the run config"
 
 
 def _short(value: Any, limit: int = 70) -> str:
