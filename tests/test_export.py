@@ -555,16 +555,128 @@ def test_cli_errors_name_the_problem(trained, tmp_path):
     text = trained.config.read_text()
     wrong = tmp_path / "wrong.yaml"
     wrong.write_text(text.replace("  - 20011\n  - 20011", "  - 30011\n  - 30011"))
+    # The run identity in the manifest names the field; without one (trained.single), the
+    # tensor shapes and layers still give the config away.
     message = _cli_error("--load", trained.ckpt, "--out", out, "--config", wrong)
+    assert "model.engram_vocab_size: [20011, 20011] in the checkpoint, [30011, 30011] in the run " \
+           "config" in message
+    message = _cli_error("--load", trained.single, "--out", out, "--config", wrong)
     assert "engram_vocab_size" in message and "multi_head_embedding.embedding.weight" in message
     wrong.write_text(text.replace("engram_layer_ids:\n  - 1\n  - 3",
                                   "engram_layer_ids:\n  - 1\n  - 2"))
-    assert "Engram layers [1, 3]" in _cli_error("--load", trained.ckpt, "--out", out,
+    assert "model.engram_layer_ids: [1, 3] in the checkpoint, [1, 2] in the run config" in _cli_error(
+        "--load", trained.ckpt, "--out", out, "--config", wrong)
+    assert "Engram layers [1, 3]" in _cli_error("--load", trained.single, "--out", out,
                                                 "--config", wrong)
     moved = tmp_path / "moved.yaml"
     moved.write_text(text.replace(str(TOKENIZER), "/nowhere/tokenizer"))
     assert "--tokenizer" in _cli_error("--load", trained.ckpt, "--out", out, "--config", moved)
     assert not out.exists()
+
+
+def _corrupt(path: Path, *, truncate: bool = False) -> None:
+    """64 KiB of random bytes in the middle of the file (same size), or cut it in half."""
+    size = path.stat().st_size
+    if truncate:
+        os.truncate(path, size // 2)
+        return
+    with open(path, "r+b") as f:
+        f.seek(size // 2)
+        f.write(np.random.default_rng(0).bytes(65536))
+
+
+def test_export_refuses_a_damaged_checkpoint_naming_the_file(trained, tmp_path):
+    """64 KiB of random bytes in a shard (issue 26): the trainer's check and message, nothing
+    written. --no-verify skips the checksums; sizes are compared either way."""
+    damaged = tmp_path / "ckpt"
+    shutil.copytree(trained.ckpt, damaged)
+    shard = max((damaged / "iter_0000002").glob("*.distcp"), key=lambda p: p.stat().st_size)
+    _corrupt(shard)
+    out = tmp_path / "out"
+    message = _cli_error("--load", damaged, "--out", out, "--config", trained.config)
+    assert message.startswith(f"engram-export: error: checkpoint {damaged / 'iter_0000002'} is damaged; nothing "
+                              f"was exported:\n  {shard}: contents changed since the save (SHA-256 differs)")
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    logged = []
+    export_checkpoint(trained.ckpt, out, verify=False, log=logged.append)
+    assert any("match manifest.json (sizes only: --no-verify)" in m for m in logged)
+    size = shard.stat().st_size
+    _corrupt(shard, truncate=True)
+    message = _cli_error("--load", damaged, "--out", tmp_path / "out2", "--no-verify")
+    assert f"{shard}: {size // 2} bytes, {size} were written" in message
+
+
+def test_export_refuses_a_run_config_of_another_identity(trained, tmp_path):
+    """A run config whose engram_seed differs from the checkpoint's (issue 26), or another
+    tokenizer: stopped naming the field and both values, nothing written."""
+    seed = tmp_path / "seed.yaml"
+    text = trained.config.read_text()
+    assert "  engram_seed: 0\n" in text
+    seed.write_text(text.replace("  engram_seed: 0\n", "  engram_seed: 1\n"))
+    out = tmp_path / "out"
+    message = _cli_error("--load", trained.ckpt, "--out", out, "--config", seed)
+    assert (f"{seed} does not match the run identity stored with checkpoint {trained.ckpt / 'iter_0000002'}:\n"
+            "  - model.engram_seed: 0 in the checkpoint, 1 in the run config\n") in message
+    assert "multipliers" not in message  # derived from the seed: not repeated
+    message = _cli_error("--load", trained.ckpt, "--out", out, "--tokenizer", GOLDEN_DIR / "tok_bpe4k")
+    assert "model.engram_tokenizer_name_or_path (or --tokenizer): the compressed vocabulary: " in message
+    assert "lookup_sha256" in message and "compressed_vocab_size" in message
+    assert not out.exists()
+
+
+def test_export_says_what_it_could_not_check(trained, tmp_path):
+    """A checkpoint saved before manifests existed, and one whose manifest has no run identity
+    (saved by a tool): exported, with a warning naming what was not checked."""
+    old = tmp_path / "old"
+    shutil.copytree(trained.ckpt, old)
+    (old / "iter_0000002" / "manifest.json").unlink()
+    logged = []
+    export_checkpoint(old, tmp_path / "a", config=trained.config, log=logged.append)
+    warning = [m for m in logged if m.startswith("warning:")]
+    assert len(warning) == 1 and "has no manifest.json (saved before manifests existed)" in warning[0]
+    assert "could not be checked for damage (sizes, SHA-256), nor its run identity (Engram hash seed" in warning[0]
+    logged = []
+    export_checkpoint(trained.single, tmp_path / "b", config=trained.config, log=logged.append)
+    assert [m for m in logged if m.startswith("warning:")] == [
+        f"warning: {trained.single / 'iter_0000002'}/manifest.json records no run identity (saved by a tool, or "
+        "before identities existed): the Engram hash seed, tokenizer, N, H, layer ids, primes and multipliers "
+        f"could not be compared with {trained.config}"]
+    assert (tmp_path / "a" / "engram_layer1.safetensors").read_bytes() == (
+        tmp_path / "b" / "engram_layer1.safetensors").read_bytes()
+
+
+def test_engram_memory_prompt_edges(exports):
+    """An empty prompt (issue 26) gives an empty result, the same for a tensor and a nested list,
+    and leaves the state as it was; other dtypes are refused naming the expected one; an
+    out-of-range id is reported as a prompt problem."""
+    memory = EngramMemory(exports.sharded)
+    ids = torch.tensor([[5, 17, 3000, 42]])
+    fresh = memory.new_state(1)
+    hidden = torch.randn(1, 4, 64, generator=torch.Generator().manual_seed(0))
+    want = {layer: memory.forward(layer, hidden, rows, fresh)
+            for layer, rows in memory.prefetch(fresh, ids).items()}
+    for empty in (torch.zeros(1, 0, dtype=torch.long), [[]]):
+        state = memory.new_state(1)
+        rows = memory.prefetch(state, empty)
+        assert {layer: tuple(r.shape) for layer, r in rows.items()} == {layer: (1, 0, 128) for layer in LAYERS}
+        for layer in LAYERS:
+            assert memory.forward(layer, hidden[:, :0], rows[layer], state).shape == (1, 0, 64)
+        assert state.hashed == 0 and (state.history == memory.hasher.pad_id).all()
+        assert all(not conv.any() for conv in state.conv.values())
+        for layer, rows_ in memory.prefetch(state, ids).items():  # the state goes on as fresh
+            torch.testing.assert_close(memory.forward(layer, hidden, rows_, state), want[layer], rtol=0, atol=0)
+    for wrong in (torch.tensor([[1.0, 2.0]]), [[1.5]], torch.tensor([[True]])):
+        with pytest.raises(TypeError, match=r"token ids must be integers \(torch.int64 / numpy.int64"):
+            memory.prefetch(memory.new_state(1), wrong)
+    state = memory.new_state(1)
+    rows = memory.prefetch(state, ids)
+    with pytest.raises(TypeError, match=r"hidden_states has dtype torch.float64, this EngramMemory runs in "
+                                        r"torch.float32 .*hidden_states.to\(torch.float32\)"):
+        memory.forward(1, hidden.double(), rows[1], state)
+    with pytest.raises(ValueError, match=r"token id 4096 at \[sequence, position\] \[0, 1\] of the prompt is "
+                                         r"outside the export's tokenizer range \[0, 4096\)") as err:
+        memory.prefetch(memory.new_state(1), [[7, 4096]])
+    assert "data" not in str(err.value) and "tokenizer.json" in str(err.value)
 
 
 def test_cli_writes_atomically_and_replaces_with_force(trained, tmp_path, monkeypatch):
@@ -619,7 +731,7 @@ def test_run_config_sources_and_iteration_folders(trained, exports, tmp_path, mo
     monkeypatch.setattr(DistCheckpointReader, "common_state", with_run_config)
     messages = []
     out = export_checkpoint(trained.single, tmp_path / "c", log=messages.append)
-    assert "extra.run_config" in messages[0]
+    assert any("run config: the checkpoint's extra.run_config" in m for m in messages)
     assert (out / "engram_layer1.safetensors").read_bytes() == (
         exports.single / "engram_layer1.safetensors").read_bytes()
 

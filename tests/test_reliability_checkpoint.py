@@ -69,3 +69,9 @@ def test_overwritten_parameter_bytes_are_found(results):
     assert "is damaged; nothing was loaded" in d["checked_error"] and damaged in d["checked_error"]
     tensor = d["tensor"]
     assert f"loaded NaN or inf into parameter {tensor}" in d["unchecked_error"]
+
+
+def test_stop_check_gives_every_rank_the_loss(results):
+    """What the divergence guard judges is the same on every rank, pipeline stages without the
+    loss included."""
+    assert results[0]["stop_loss"] == dict(finite="2.5", nan="nan", nan_flag=True, finite_flag=False)

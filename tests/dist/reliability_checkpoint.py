@@ -17,6 +17,7 @@ distributed optimizer with fully reshardable checkpoints, as the trainer uses.
   ``iter_*.tmp`` left by an earlier failed save.
 - a checkpoint whose parameter bytes were overwritten (same size): the checksum check names the
   file; loading it without checksums is refused because the parameter loads as NaN.
+- the per-iteration stop all-reduce carries the loss from the rank that has it to every rank.
 """
 
 import shutil
@@ -267,6 +268,19 @@ def damaged_parameter(result, root: Path):
                              checked_error=checked, unchecked_error=unchecked)
 
 
+def stop_check_shares_the_loss(result):
+    """Only one rank holds the loss (as only the last pipeline stage does): StopCheck's
+    all-reduce gives it to every rank, a NaN included, with the non-finite flag."""
+    from engram_train.training.faults import StopCheck
+
+    last = dist.get_rank() == 1
+    check = StopCheck(None, None)
+    finite = check(nonfinite=False, loss=2.5 if last else None)
+    nan = check(nonfinite=last, loss=float("nan") if last else None)
+    result["stop_loss"] = dict(finite=repr(finite.loss), nan=repr(nan.loss), nan_flag=nan.nonfinite,
+                               finite_flag=finite.nonfinite)
+
+
 def main():
     args = parse_args()
     result = {}
@@ -278,6 +292,7 @@ def main():
     model, optimizer = nonfinite_step(result)
     refuse_nonfinite_save(result, root, model, optimizer)
     damaged_parameter(result, root)
+    stop_check_shares_the_loss(result)
     write_result(args.out, result)
     dist.barrier()
     if dist.get_rank() == 0:
