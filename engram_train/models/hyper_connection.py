@@ -33,15 +33,63 @@ def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
 
 
+def _sinkhorn_steps(iterations: int) -> list[int]:
+    """The normalized dim of each step in the token-last layout ``[n (row), n (col), tokens]``:
+    columns (a sum over rows, dim 0) first, then rows (dim 1) and columns alternately."""
+    return [0] + [1, 0] * (iterations - 1)
+
+
+def _tokens_last(x: torch.Tensor) -> torch.Tensor:
+    """``[..., n, n]`` -> ``[n, n, tokens]`` contiguous: the sums over a matrix's rows or
+    columns become adds of contiguous token vectors (a reduction over a trailing dim of 4 is
+    several times slower on CPU)."""
+    n = x.shape[-1]
+    return x.reshape(-1, n, n).permute(1, 2, 0).contiguous()
+
+
+def _tokens_first(x: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    return x.permute(2, 0, 1).reshape(shape)
+
+
+class _SinkhornProjection(torch.autograd.Function):
+    """``sinkhorn`` with a hand-written backward: the reverse sweep of the iterations, a few
+    tensor ops per step on the saved normalized matrices and denominators (``[n, n]`` and ``[n]``
+    per token, small next to the ``n x h`` streams), instead of autograd's graph of ~10 nodes per
+    step."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, iterations: int, eps: float) -> torch.Tensor:
+        p = torch.softmax(_tokens_last(logits), dim=1)
+        c, saved = p + eps, [p]
+        for dim in _sinkhorn_steps(iterations):
+            d = c.sum(dim=dim, keepdim=True) + eps
+            c = c / d
+            saved += [c, d]
+        ctx.save_for_backward(*saved)
+        ctx.iterations, ctx.shape = iterations, logits.shape
+        return _tokens_first(c, logits.shape)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        p, *steps = ctx.saved_tensors
+        dims = _sinkhorn_steps(ctx.iterations)
+        grad = _tokens_last(grad)
+        for i in reversed(range(len(dims))):  # out = c / d:  dc = (g - sum(g * out)) / d
+            out, d = steps[2 * i], steps[2 * i + 1]
+            grad = (grad - (grad * out).sum(dim=dims[i], keepdim=True)) / d
+        grad = p * (grad - (grad * p).sum(dim=1, keepdim=True))
+        return _tokens_first(grad, ctx.shape), None, None
+
+
 def sinkhorn(logits: torch.Tensor, iterations: int, eps: float = HC_EPS) -> torch.Tensor:
     """Doubly stochastic projection of ``[..., n, n]`` logits: row softmax, then alternate
     column and row normalizations (``iterations`` column steps in all), DeepSeek-V4's form."""
-    c = torch.softmax(logits, dim=-1) + eps
-    c = c / (c.sum(dim=-2, keepdim=True) + eps)
-    for _ in range(iterations - 1):
-        c = c / (c.sum(dim=-1, keepdim=True) + eps)
-        c = c / (c.sum(dim=-2, keepdim=True) + eps)
-    return c
+    return _SinkhornProjection.apply(logits, int(iterations), float(eps))
+
+
+def weighted_stream_sum(weights: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``sum_j weights[..., j] * X[:, :, j]``: ``[s, b, n]``, ``[s, b, n, h]`` -> ``[s, b, h]``."""
+    return (weights.unsqueeze(-1) * x).sum(dim=2)
 
 
 def _check_streams(x: torch.Tensor, num_streams: int, hidden_size: int, who: str) -> None:
@@ -101,16 +149,18 @@ class HyperConnection(nn.Module):
         h_post = 2 * torch.sigmoid(scale[1] * m_post + b_post)
         c = sinkhorn((scale[2] * m_res + b_res).view(s, b, n, n), self.sinkhorn_iterations,
                      self.eps)
-        u = torch.matmul(h_pre.to(x.dtype).unsqueeze(-2), x).squeeze(-2)
-        return u, h_post, c
+        return weighted_stream_sum(h_pre.to(x.dtype), x), h_post, c
 
     @staticmethod
     def mix(x: torch.Tensor, y: torch.Tensor, h_post: torch.Tensor, c: torch.Tensor
             ) -> torch.Tensor:
         """``X'[k] = H_post[k] y + sum_j C[j, k] X[j]``, in X's dtype: ``[s, b, n, h]``."""
         dtype = x.dtype
-        mixed = torch.matmul(c.to(dtype).transpose(-1, -2), x)
-        return torch.addcmul(mixed, h_post.to(dtype).unsqueeze(-1), y.to(dtype).unsqueeze(-2))
+        c = c.to(dtype)
+        out = h_post.to(dtype).unsqueeze(-1) * y.to(dtype).unsqueeze(-2)
+        for j in range(x.shape[2]):  # n broadcast multiply-adds (a batched [n, n] @ [n, h]
+            out = torch.addcmul(out, c[..., j, :].unsqueeze(-1), x[:, :, j : j + 1])  # is slow)
+        return out
 
 
 class HyperHead(nn.Module):
@@ -144,4 +194,4 @@ class HyperHead(nn.Module):
         r = unweighted_rms_norm(x.reshape(s, b, n * h).float(), self.norm_eps)
         w = torch.sigmoid(self.hc_scale.float() * nn.functional.linear(r, self.hc_fn.float())
                           + self.hc_base.float()) + self.eps
-        return torch.matmul(w.to(x.dtype).unsqueeze(-2), x).squeeze(-2)
+        return weighted_stream_sum(w.to(x.dtype), x)
