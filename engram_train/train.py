@@ -608,11 +608,9 @@ def _exit_with_message(message: str) -> None:
     exits, does not stop the printing rank first. (torchrun then reports the failed workers
     in its own summary.)
     """
-    import torch.distributed as dist
-
     if os.environ.get("LOCAL_RANK", "0") == "0":
         print(message, file=sys.stderr, flush=True)
-    elif dist.is_available() and dist.is_initialized():
+    else:
         time.sleep(2.0)
     raise SystemExit(1)
 
