@@ -386,6 +386,24 @@ def _check_hyper_connections(config) -> None:
                 "enable_hyper_connections=true with mtp_num_layers: multi-token prediction "
                 "layers take a single-stream input; set mtp_num_layers: null"
             )
+        if config.context_parallel_size > 1:
+            raise ValueError(
+                "enable_hyper_connections=true with context_parallel_size="
+                f"{config.context_parallel_size}: mHC is not supported with context "
+                "parallelism yet; set context_parallel_size: 1"
+            )
+        if (config.recompute_granularity == "selective"
+                and "layernorm" in (config.recompute_modules or [])):
+            raise ValueError(
+                "enable_hyper_connections=true with recompute_modules containing 'layernorm': "
+                "the mHC layer does not recompute its norms; drop 'layernorm' (core_attn, mlp, "
+                "moe and the other modules are recomputed as usual)"
+            )
+        if getattr(config, "cuda_graph_impl", "none") not in (None, "none"):
+            raise ValueError(
+                f"enable_hyper_connections=true with cuda_graph_impl={config.cuda_graph_impl!r}: "
+                "CUDA graphs of the mHC layer are not supported; set cuda_graph_impl: none"
+            )
         if hc_mult is not None and hc_mult != streams:
             raise ValueError(
                 f"engram_hc_mult={hc_mult} differs from num_residual_streams={streams}: the "

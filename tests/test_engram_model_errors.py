@@ -50,6 +50,9 @@ def test_hc_mult_follows_the_residual_streams():
     (dict(mhc_sinkhorn_iterations=0), r"mhc_sinkhorn_iterations=0 must be >= 1"),
     (dict(mhc_init_gating_factor=-0.1), r"mhc_init_gating_factor=-0.1 must be >= 0"),
     (dict(mtp_num_layers=1), r"mtp_num_layers"),
+    (dict(context_parallel_size=2, use_engram=False), r"context_parallel_size=2"),
+    (dict(recompute_granularity="selective", recompute_modules=["core_attn", "layernorm"]),
+     r"drop 'layernorm'"),
 ])
 def test_hyper_connection_values_are_checked(overrides, message):
     with pytest.raises(ValueError, match=message):
