@@ -10,6 +10,7 @@ Quality (``--quality``): the demo with Engram, single-stream vs mHC, ``--seeds``
 validation loss at the last iteration (200).
 
     python benchmarks/bench_mhc.py [--rounds 3] [--iters 40] [--quality] [--out PATH.json]
+        [--override model.hidden_size=256 ...]   (the same comparison on another model)
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ def parse_args(argv=None):
     p.add_argument("--quality", action="store_true", help="also the 200-iteration comparison")
     p.add_argument("--seeds", type=int, nargs="+", default=[1234, 1, 2])
     p.add_argument("--quality-iters", type=int, default=200)
+    p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                   help="a trainer override for every run, e.g. model.hidden_size=256")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     return p.parse_args(argv)
 
@@ -120,7 +123,8 @@ def main(argv=None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(args.rounds):
             for name, overrides in VARIANTS.items():
-                got = run_trainer(overrides, args.iters, args.nproc, Path(tmp))
+                got = run_trainer([*overrides, *args.override], args.iters, args.nproc,
+                                  Path(tmp))
                 timed = [t for it, t in got["steps"].items() if it > args.warmup]
                 steps[name].extend(timed)
                 rss[name].append(got["peak_rss_gib"])
@@ -162,7 +166,8 @@ def main(argv=None) -> dict:
                 losses = [q["val_loss"] for q in quality if q["variant"] == name]
                 print(f"{name:>10}: mean {statistics.mean(losses):.4f} "
                       f"+- {statistics.stdev(losses) if len(losses) > 1 else 0.0:.4f}")
-    result = dict(benchmark="bench_mhc", nproc=args.nproc, iters=args.iters, warmup=args.warmup,
+    result = dict(benchmark="bench_mhc", overrides=args.override, nproc=args.nproc,
+                  iters=args.iters, warmup=args.warmup,
                   rounds=args.rounds, timing=timing, ratios=ratios,
                   sublayer_mapping_ms=breakdown, sublayer_calls_per_step=calls,
                   mapping_ms_per_step=per_step, quality=quality,

@@ -145,16 +145,22 @@ def closed_form(m, vocab: int) -> dict:
     expert = 3 * d * m.moe_ffn_hidden_size
     moe_layers = L - m.first_k_dense_replace
     moe = m.num_moe_experts * d + m.num_moe_experts * expert + 3 * d * m.moe_shared_expert_intermediate_size
-    tables = dense = 0
+    tables = dense = hyper = 0
+    streams = m.num_residual_streams if m.enable_hyper_connections else 1
+    if m.enable_hyper_connections:  # attn_hc and ffn_hc per layer, the head collapse
+        n = streams
+        hyper = L * 2 * ((2 + n) * n * n * d + (2 + n) * n + 3) + n * n * d + n + 1
     if m.use_engram:
         n, heads, width = m.max_ngram_size, m.n_head_per_ngram, m.n_embed_per_ngram
         primes = engram_head_vocab_sizes(list(m.engram_vocab_size), n, heads, list(m.engram_layer_ids))
         tables = sum(p for layer_primes in primes.values() for order in layer_primes for p in order) \
             * (width // heads)
         e = (n - 1) * width
-        dense = len(m.engram_layer_ids) * (2 * (e * d + d) + 2 * d + d * m.engram_kernel_size + d)
+        g = streams  # value projection, g key projections, g norm pairs, conv and its norms
+        dense = len(m.engram_layer_ids) * ((1 + g) * (e * d + d) + 2 * g * d
+                                           + g * d * m.engram_kernel_size + g * d)
     total = (2 * vocab * d + d + L * layer + m.first_k_dense_replace * dense_mlp
-             + moe_layers * moe + tables + dense)
+             + moe_layers * moe + tables + dense + hyper)
     unrouted = moe_layers * (m.num_moe_experts - m.moe_router_topk) * expert
     return dict(total=total, activated=total - vocab * d - tables - unrouted,
                 engram_tables=tables, engram_dense=dense)

@@ -133,7 +133,8 @@ class HyperConnection(nn.Module):
         b_pre, b_post, b_res = self.base.split([n, n, n * n])
         b_pre.fill_(-math.log(n - 1))
         b_post.zero_()
-        b_res.copy_(RESIDUAL_OFF_DIAGONAL_BIAS * (1 - torch.eye(n)).flatten())
+        off_diagonal = 1 - torch.eye(n, device=b_res.device)
+        b_res.copy_(RESIDUAL_OFF_DIAGONAL_BIAS * off_diagonal.flatten())
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``X [s, b, n, h]`` -> ``(u [s, b, h] in X's dtype, H_post [s, b, n], C [s, b, n, n])``,

@@ -34,14 +34,21 @@ def mark_sequence_parallel(module: torch.nn.Module, sequence_parallel: bool) -> 
         setattr(param, "sequence_parallel", bool(sequence_parallel))
 
 
+def parameter_device(config):
+    """Where megatron puts a module's parameters: the default device with
+    ``use_cpu_initialization`` (the CPU, or the meta device of a parameter count), else CUDA."""
+    return None if config.use_cpu_initialization else torch.cuda.current_device()
+
+
 def build_hyper_connection(config) -> HyperConnection:
     """One sublayer's mapping, initialized as the spec says (``mhc_init_gating_factor``)."""
-    device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
     hc = HyperConnection(
         config.hidden_size, config.num_residual_streams, config.mhc_sinkhorn_iterations,
-        norm_eps=config.layernorm_epsilon, device=device,
+        norm_eps=config.layernorm_epsilon, device=parameter_device(config),
     )
-    hc.reset_parameters(gating_factor=config.mhc_init_gating_factor, std=config.init_method_std)
+    if config.perform_initialization:
+        hc.reset_parameters(gating_factor=config.mhc_init_gating_factor,
+                            std=config.init_method_std)
     mark_sequence_parallel(hc, config.sequence_parallel)
     return hc
 

@@ -25,7 +25,7 @@ from megatron.core.utils import WrappedTensor, make_viewless_tensor
 from engram_train.models.engram_gpt import EngramGPTModel
 
 from engram_train.models.hyper_connection import HyperHead
-from engram_train.models.hyper_connection_layer import mark_sequence_parallel
+from engram_train.models.hyper_connection_layer import mark_sequence_parallel, parameter_device
 
 
 def expand_streams(x: torch.Tensor, num_streams: int) -> torch.Tensor:
@@ -54,11 +54,11 @@ class HyperConnectionModelMixin:
             raise ValueError("mHC collapses the streams before the decoder's final norm; this "
                              "model's last stage has none (post_layer_norm=False)")
         if self.decoder.final_layernorm is not None:
-            device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
             head = HyperHead(config.hidden_size, self.num_streams,
-                             norm_eps=config.layernorm_epsilon, device=device)
-            head.reset_parameters(gating_factor=config.mhc_init_gating_factor,
-                                  std=config.init_method_std)
+                             norm_eps=config.layernorm_epsilon, device=parameter_device(config))
+            if config.perform_initialization:
+                head.reset_parameters(gating_factor=config.mhc_init_gating_factor,
+                                      std=config.init_method_std)
             mark_sequence_parallel(head, config.sequence_parallel)
             self.decoder.hc_head = head
             self.decoder.final_layernorm.register_forward_pre_hook(
