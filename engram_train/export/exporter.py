@@ -263,6 +263,9 @@ def engram_from_run_config(doc: dict, where: str):
             f"{where}: model.use_engram is not true; there is no Engram memory to export"
         )
     fields = {k: model[k] for k in EngramConfig.field_names() if k in model}
+    if fields.get("engram_hc_mult") is None and model.get("enable_hyper_connections"):
+        # unset follows the backbone: Engram reads and writes every mHC residual stream
+        fields["engram_hc_mult"] = model.get("num_residual_streams", 4)
     try:
         engram = EngramConfig.from_dict(fields)
     except (TypeError, ValueError) as err:
