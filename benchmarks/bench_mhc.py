@@ -30,7 +30,7 @@ import torch
 from bench_common import free_port, write_result
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_OUT = Path(tempfile.gettempdir()) / "engram_bench" / "bench_mhc.json"
+DEFAULT_OUT = REPO / "outputs" / "benchmarks" / "bench_mhc.json"
 MEM_RE = re.compile(r"mem \(GiB\) rss/max: ([\d.]+)/([\d.]+)")
 VARIANTS = {  # name -> trainer overrides
     "plain": ["model.use_engram=false"],
@@ -119,6 +119,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(1)
     steps = {name: [] for name in VARIANTS}
+    round_medians = {name: [] for name in VARIANTS}
     rss = {name: [] for name in VARIANTS}
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(args.rounds):
@@ -127,19 +128,26 @@ def main(argv=None) -> dict:
                                   Path(tmp))
                 timed = [t for it, t in got["steps"].items() if it > args.warmup]
                 steps[name].extend(timed)
+                round_medians[name].append(statistics.median(timed))
                 rss[name].append(got["peak_rss_gib"])
                 print(f"round {round_} {name:>10}: {statistics.median(timed) * 1000:7.1f} ms, "
                       f"peak rss {got['peak_rss_gib']:.2f} GiB", flush=True)
         timing = {name: dict(median_ms=statistics.median(v) * 1000, peak_rss_gib=max(rss[name]))
                   for name, v in steps.items()}
-        ratios = dict(mhc_vs_plain=timing["mhc"]["median_ms"] / timing["plain"]["median_ms"],
-                      engram_mhc_vs_engram=timing["engram_mhc"]["median_ms"]
-                      / timing["engram"]["median_ms"])
+        # Ratios within each round (its four runs are minutes apart), then their median: a
+        # round slowed by other load on the machine moves all of its runs alike.
+        def round_ratio(a, b):
+            return statistics.median(x / y for x, y in zip(round_medians[a], round_medians[b]))
+
+        ratios = dict(mhc_vs_plain=round_ratio("mhc", "plain"),
+                      engram_mhc_vs_engram=round_ratio("engram_mhc", "engram"),
+                      engram_vs_plain=round_ratio("engram", "plain"),
+                      engram_mhc_vs_plain=round_ratio("engram_mhc", "plain"))
         print("\n| variant | step (ms) | peak RSS (GiB) |\n| --- | --- | --- |")
         for name, t in timing.items():
             print(f"| {name} | {t['median_ms']:.1f} | {t['peak_rss_gib']:.2f} |")
-        print(f"mHC / no mHC: {ratios['mhc_vs_plain']:.3f}x without Engram, "
-              f"{ratios['engram_mhc_vs_engram']:.3f}x with Engram")
+        print(f"mHC / no mHC (median of per-round ratios): {ratios['mhc_vs_plain']:.3f}x without "
+              f"Engram, {ratios['engram_mhc_vs_engram']:.3f}x with Engram")
 
         breakdown = sublayer_breakdown()
         # per step: 2 sublayers x 4 layers x micro-batches per rank (global 8 / (mbs 2 x DP2))
@@ -169,6 +177,7 @@ def main(argv=None) -> dict:
     result = dict(benchmark="bench_mhc", overrides=args.override, nproc=args.nproc,
                   iters=args.iters, warmup=args.warmup,
                   rounds=args.rounds, timing=timing, ratios=ratios,
+                  round_medians_ms={k: [v * 1000 for v in vs] for k, vs in round_medians.items()},
                   sublayer_mapping_ms=breakdown, sublayer_calls_per_step=calls,
                   mapping_ms_per_step=per_step, quality=quality,
                   torch_threads=torch.get_num_threads())

@@ -439,3 +439,29 @@ def test_wrong_shape_raises(cls, shape):
         module(torch.randn(shape))
     message = str(info.value)
     assert re.search(rf"\b{N_ERR}\b", message) and re.search(rf"\b{H_ERR}\b", message), message
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_both_write_back_paths_agree(n, monkeypatch):
+    """The write-back runs as n broadcast multiply-adds (small h on CPU) or as one batched GEMM
+    per token (large h, CUDA): both equal the float64 sum, forward and backward."""
+    from engram_train.models import hyper_connection
+
+    g = torch.Generator().manual_seed(77 + n)
+    x = torch.randn(S, B, n, H, generator=g)
+    y = torch.randn(S, B, H, generator=g)
+    h_post = torch.rand(S, B, n, generator=g) * 2
+    c = torch.rand(S, B, n, n, generator=g)
+    probe = torch.randn(S, B, n, H, generator=g)
+    want = h_post.double().unsqueeze(-1) * y.double().unsqueeze(-2) + torch.einsum(
+        "sbjk,sbjh->sbkh", c.double(), x.double())
+    grads = []
+    for threshold in (1, 10**9):  # batched GEMM, then the multiply-adds
+        monkeypatch.setattr(hyper_connection, "BATCHED_MIX_MIN_HIDDEN", threshold)
+        leaves = [t.clone().requires_grad_() for t in (x, y, h_post, c)]
+        out = HyperConnection.mix(*leaves)
+        torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-6)
+        (out * probe).sum().backward()
+        grads.append([t.grad for t in leaves])
+    for batched, looped in zip(*grads):
+        torch.testing.assert_close(batched, looped, rtol=1e-5, atol=1e-6)

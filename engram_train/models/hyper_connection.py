@@ -23,6 +23,10 @@ from torch import nn
 HC_EPS = 1e-6
 """``eps_hc``: added to H_pre, C and the Sinkhorn denominators (DeepSeek-V4)."""
 
+BATCHED_MIX_MIN_HIDDEN = 128
+"""Hidden size from which the write-back runs as one batched GEMM per token on the CPU (below
+it, n broadcast multiply-adds are faster; on CUDA always the GEMM)."""
+
 RESIDUAL_OFF_DIAGONAL_BIAS = -8.0
 """Init of ``b_res`` off the diagonal (0 on it): C starts at ~0.999 on the diagonal, close to
 a plain residual per stream, yet far enough from saturation for the mixing to learn."""
@@ -157,10 +161,17 @@ class HyperConnection(nn.Module):
             ) -> torch.Tensor:
         """``X'[k] = H_post[k] y + sum_j C[j, k] X[j]``, in X's dtype: ``[s, b, n, h]``."""
         dtype = x.dtype
-        c = c.to(dtype)
-        out = h_post.to(dtype).unsqueeze(-1) * y.to(dtype).unsqueeze(-2)
-        for j in range(x.shape[2]):  # n broadcast multiply-adds (a batched [n, n] @ [n, h]
-            out = torch.addcmul(out, c[..., j, :].unsqueeze(-1), x[:, :, j : j + 1])  # is slow)
+        s, b, n, h = x.shape
+        c, h_post, y = c.to(dtype), h_post.to(dtype), y.to(dtype)
+        if x.is_cuda or h >= BATCHED_MIX_MIN_HIDDEN:
+            # one batched GEMM per token: [H_post | C^T] ([n, n+1]) @ [y; X] ([n+1, h])
+            weights = torch.cat([h_post.unsqueeze(-1), c.transpose(-1, -2)], dim=-1)
+            rows = torch.cat([y.unsqueeze(2), x], dim=2)
+            return torch.bmm(weights.reshape(s * b, n, n + 1),
+                             rows.reshape(s * b, n + 1, h)).view(s, b, n, h)
+        out = h_post.unsqueeze(-1) * y.unsqueeze(-2)
+        for j in range(n):  # n broadcast multiply-adds: faster than the GEMMs for small h on CPU
+            out = torch.addcmul(out, c[..., j, :].unsqueeze(-1), x[:, :, j : j + 1])
         return out
 
 
