@@ -33,8 +33,9 @@ a plain residual per stream, yet far enough from saturation for the mixing to le
 
 
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """``x / rms(x)`` over the last dim, no weight (the mappings' input normalization)."""
-    return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
+    """``x * rsqrt(mean(x**2) + eps)`` over the last dim, no weight (the mappings' input
+    normalization), torch's fused kernel."""
+    return nn.functional.rms_norm(x, (x.shape[-1],), eps=eps)
 
 
 def _sinkhorn_steps(iterations: int) -> list[int]:
@@ -126,6 +127,8 @@ class HyperConnection(nn.Module):
         self.fn = nn.Parameter(torch.empty((2 + n) * n, n * hidden_size, **factory))
         self.base = nn.Parameter(torch.empty((2 + n) * n, **factory))
         self.scale = nn.Parameter(torch.empty(3, **factory))
+        self.register_buffer("_logit_groups", torch.tensor([n, n, n * n], device=device),
+                             persistent=False)
         self.reset_parameters()
 
     @torch.no_grad()
@@ -146,14 +149,14 @@ class HyperConnection(nn.Module):
         _check_streams(x, self.num_streams, self.hidden_size, "HyperConnection")
         s, b, n, h = x.shape
         r = unweighted_rms_norm(x.reshape(s, b, n * h).float(), self.norm_eps)
-        m = nn.functional.linear(r, self.fn.float())
-        scale, base = self.scale.float(), self.base.float()
-        m_pre, m_post, m_res = m.split([n, n, n * n], dim=-1)
-        b_pre, b_post, b_res = base.split([n, n, n * n])
-        h_pre = torch.sigmoid(scale[0] * m_pre + b_pre) + self.eps
-        h_post = 2 * torch.sigmoid(scale[1] * m_post + b_post)
-        c = sinkhorn((scale[2] * m_res + b_res).view(s, b, n, n), self.sinkhorn_iterations,
-                     self.eps)
+        # scale[0] on the n pre logits, scale[1] on the n post logits, scale[2] on the n*n
+        # mixing logits: one multiply-add for all (fewer small ops: this runs per sublayer)
+        scales = self.scale.float().repeat_interleave(self._logit_groups)
+        z = torch.addcmul(self.base.float(), nn.functional.linear(r, self.fn.float()), scales)
+        gates = torch.sigmoid(z[..., : 2 * n])
+        h_pre = gates[..., :n] + self.eps
+        h_post = 2 * gates[..., n:]
+        c = sinkhorn(z[..., 2 * n :].view(s, b, n, n), self.sinkhorn_iterations, self.eps)
         return weighted_stream_sum(h_pre.to(x.dtype), x), h_post, c
 
     @staticmethod
