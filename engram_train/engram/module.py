@@ -32,6 +32,14 @@ def engram_table_dtype(config) -> torch.dtype:
     return TABLE_DTYPES[name]
 
 
+def per_stream_rms_norm(x: torch.Tensor, norms: nn.ModuleList) -> torch.Tensor:
+    """``norms[g](x[:, :, g])`` for every stream g at once: x [S, B, G, d] -> [S, B, G, d]
+    (one RMSNorm kernel and one weight multiply instead of G of each)."""
+    eps = norms[0].eps
+    weight = torch.stack([norm.weight for norm in norms])  # [G, d]
+    return nn.functional.rms_norm(x, (x.shape[-1],), eps=eps) * weight
+
+
 class ShortConv(nn.Module):
     """Per-stream RMSNorm, then a causal depthwise conv over time (dilation = N), then SiLU.
 
@@ -50,10 +58,17 @@ class ShortConv(nn.Module):
             for _ in range(hc_mult)
         )
 
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        """Each stream's RMSNorm: x [S, B, G, d] -> [S, B, G*d] (stream-major channels)."""
+        seq, batch, streams, width = x.shape
+        if streams == 1:
+            return self.norms[0](x[:, :, 0])
+        return per_stream_rms_norm(x, self.norms).reshape(seq, batch, streams * width)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [S, B, G, d] -> [S, B, G, d]."""
         seq, batch, streams, width = x.shape
-        normed = torch.cat([self.norms[g](x[:, :, g]) for g in range(streams)], dim=-1)
+        normed = self.normalize(x)
         y = nn.functional.pad(normed.permute(1, 2, 0), (self.left_pad, 0))  # [B, G*d, pad+S]
         y = nn.functional.silu(self.conv(y))
         return y.permute(2, 0, 1).reshape(seq, batch, streams, width)
@@ -198,14 +213,20 @@ class Engram(nn.Module):
             )
         memory = memory.to(self.value_proj.weight.dtype)
         scale = 1.0 / math.sqrt(self.hidden_size)
-        gates = []
-        for g in range(self.hc_mult):
-            key = self.norm1[g](self.key_projs[g](memory))
-            query = self.norm2[g](hidden[:, :, g])
-            score = (key * query).sum(dim=-1) * scale
-            score = score.abs().clamp_min(GATE_SCORE_FLOOR).sqrt() * score.sign()
-            gates.append(score.sigmoid())
-        gate = torch.stack(gates, dim=2).unsqueeze(-1)  # [S, B, G, 1]
+        if self.hc_mult == 1:
+            key = self.norm1[0](self.key_projs[0](memory))
+            query = self.norm2[0](hidden[:, :, 0])
+            score = (key * query).sum(dim=-1, keepdim=True).unsqueeze(-1)  # [S, B, 1, 1]
+        else:  # every stream's key projection and norms at once (one GEMM, two norm kernels)
+            weight = torch.cat([proj.weight for proj in self.key_projs])  # [G*d, E]
+            bias = torch.cat([proj.bias for proj in self.key_projs])
+            keys = nn.functional.linear(memory, weight, bias).unflatten(-1, (self.hc_mult, -1))
+            key = per_stream_rms_norm(keys, self.norm1)
+            query = per_stream_rms_norm(hidden, self.norm2)
+            score = (key * query).sum(dim=-1, keepdim=True)  # [S, B, G, 1]
+        score = score * scale
+        score = score.abs().clamp_min(GATE_SCORE_FLOOR).sqrt() * score.sign()
+        gate = score.sigmoid()  # [S, B, G, 1]
         value = gate * self.value_proj(memory).unsqueeze(2)  # one value projection, G gates
         y = value + self.short_conv(value)
         return y.squeeze(2) if hidden_states.ndim == 3 else y

@@ -62,7 +62,7 @@ class _StreamingShortConv(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         seq, batch, streams, width = x.shape
-        normed = torch.cat([self.inner.norms[g](x[:, :, g]) for g in range(streams)], dim=-1)
+        normed = self.inner.normalize(x)
         y = torch.cat([self.state, normed.permute(1, 2, 0)], dim=-1)  # [B, G*d, state + S]
         self.state = y[..., y.shape[-1] - self.inner.left_pad:].clone()
         y = nn.functional.silu(self.inner.conv(y))
