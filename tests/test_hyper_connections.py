@@ -10,7 +10,8 @@ from launch import torchrun
 # MoE router amplifies it: its losses follow the one-rank run to ~1.2e-4 over 6 steps (the same
 # layouts without mHC: ~2.2e-4); every other layout to float noise.
 TP_LAYOUTS = {"tp2pp2sp_eps2": 5e-4, "allreduce_tp2sp": 5e-4}
-LAYOUTS = ["pp2vpp2", "pp2_full_recompute", "ep2_eps4_host_distopt", *TP_LAYOUTS]
+LAYOUTS = ["pp2vpp2", "pp2_full_recompute", "dp4_selective_recompute", "ep2_eps4_host_distopt",
+           *TP_LAYOUTS]
 
 
 @pytest.fixture(scope="module")

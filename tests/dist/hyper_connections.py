@@ -3,7 +3,8 @@
 - invariance: without Engram, with ``mhc_init_gating_factor = 0`` and the init biases, the
   4-stream model's loss and gradients equal the single-stream model's (same backbone weights);
 - layouts: mHC + Engram from one checkpoint, 6 optimizer steps on the same global batches under
-  DP4 (the reference), TP2 x PP2 (SP) x eps 2, PP2 x VPP2, PP2 with full recompute, EP2 x eps 4
+  DP4 (the reference), TP2 x PP2 (SP) x eps 2, PP2 x VPP2, PP2 with full recompute, DP4 with
+  selective recompute (core_attn, mlp, moe), EP2 x eps 4
   with host tables and the distributed optimizer, allreduce TP2 (SP), bf16 on DP4;
 - reshard: the TP2 x PP2 run saves after 3 steps; DP4 (TP1 x PP1) loads it and continues with
   the same losses as the TP2 x PP2 run;
@@ -49,6 +50,9 @@ LAYOUTS = [  # name, ParallelSizes, sequence parallel, config overrides, distrib
     ("pp2vpp2", ParallelSizes(pipeline=2, virtual_pipeline=2), False,
      dict(virtual_pipeline_model_parallel_size=2), False),
     ("pp2_full_recompute", ParallelSizes(pipeline=2), False, FULL_RECOMPUTE, False),
+    ("dp4_selective_recompute", ParallelSizes(), False,
+     dict(recompute_granularity="selective", recompute_modules=["core_attn", "mlp", "moe"]),
+     False),
     ("ep2_eps4_host_distopt", ParallelSizes(expert=2, engram_embedding=4), False,
      dict(engram_table_placement="host"), True),
     ("allreduce_tp2sp", ParallelSizes(tensor=2), True,
