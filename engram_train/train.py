@@ -32,10 +32,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import hydra
-from omegaconf import DictConfig, OmegaConf
+from engram_train.logs import quiet_known_warnings
 
-from engram_train.models.presets import CONF_DIR
+# Known third-party warnings are filtered before anything imports torch or megatron-core (the
+# list, and ENGRAM_SHOW_WARNINGS=1 to keep them: engram_train/logs.py).
+quiet_known_warnings()
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
+
+from engram_train.models.presets import CONF_DIR  # noqa: E402
 
 log = logging.getLogger("engram_train")
 
@@ -45,9 +51,28 @@ def run(cfg: DictConfig) -> dict:
     plan = check(cfg)
     job = build(cfg, plan)
     progress = resume(job, plan)
+    if progress.iteration >= cfg.train.train_iters:
+        _nothing_to_train(job, progress)
+        finish(job, plot=False)
+        return {}
     last = train(job, progress)
     finish(job)
     return last
+
+
+def _nothing_to_train(job: "Job", progress: "Progress") -> None:
+    """Resumed at or past ``train.train_iters``: say so (exit code 0, no step, no save)."""
+    from engram_train.logs import console
+
+    t = job.cfg.train
+    job.metrics.close()
+    if job.rank == 0:
+        console(
+            f"engram-train: nothing to train: the checkpoint is at iteration {progress.iteration} and "
+            f"train.train_iters={t.train_iters}. To train further, raise train.train_iters (a longer "
+            "schedule also needs checkpoint.override_opt_param_scheduler=true or "
+            "checkpoint.use_checkpoint_opt_param_scheduler=true, docs/reliability.md)"
+        )
 
 
 # -- 1. check -----------------------------------------------------------------------------------
@@ -92,28 +117,44 @@ def _expected_schedule(cfg) -> dict:
 
 
 def check_resume(cfg, plan: Plan, ckpt: Path, manifest: dict | None) -> None:
-    """Raise `ResumeMismatchError` when checkpoint ``ckpt`` does not match this run."""
+    """Raise `ResumeMismatchError` when checkpoint ``ckpt`` does not match this run: every
+    difference it will refuse (run identity and LR schedule) in one message, with the overrides
+    that accept them, so that one relaunch settles them all."""
     from megatron.core import dist_checkpointing
 
     from engram_train.checkpointing import DamagedCheckpointError
-    from engram_train.training.run_identity import check_run_identity, check_schedule
+    from engram_train.training.run_identity import (
+        ResumeMismatchError,
+        check_run_identity,
+        check_schedule,
+        combine_mismatches,
+    )
 
     c = cfg.checkpoint
+    found: list[ResumeMismatchError] = []
     if manifest is None:
         log.warning("%s records no run identity (saved before identities existed): not checked", ckpt)
     else:
-        check_run_identity(manifest.get("run"), plan.identity, load_engram=bool(c.load_engram), where=str(ckpt))
+        try:
+            check_run_identity(manifest.get("run"), plan.identity, load_engram=bool(c.load_engram), where=str(ckpt))
+        except ResumeMismatchError as e:
+            found.append(e)
     try:
         common = dist_checkpointing.load_common_state_dict(str(ckpt))
     except Exception as e:
         raise DamagedCheckpointError(f"{ckpt}: cannot read its common state ({e})") from e
-    check_schedule(
-        (common.get("extra") or {}).get("scheduler"), _expected_schedule(cfg),
-        override=bool(c.override_opt_param_scheduler),
-        use_checkpoint=bool(c.use_checkpoint_opt_param_scheduler),
-        global_batch_size=int(cfg.train.global_batch_size),
-        lr_decay_iters_set=cfg.train.lr_decay_iters is not None, where=str(ckpt),
-    )  # fmt: skip
+    try:
+        check_schedule(
+            (common.get("extra") or {}).get("scheduler"), _expected_schedule(cfg),
+            override=bool(c.override_opt_param_scheduler),
+            use_checkpoint=bool(c.use_checkpoint_opt_param_scheduler),
+            global_batch_size=int(cfg.train.global_batch_size),
+            lr_decay_iters_set=cfg.train.lr_decay_iters is not None, where=str(ckpt),
+        )  # fmt: skip
+    except ResumeMismatchError as e:
+        found.append(e)
+    if found:
+        raise combine_mismatches(found)
 
 
 def _refuse_overwrite(cfg) -> None:
@@ -139,6 +180,12 @@ def _refuse_overwrite(cfg) -> None:
 
 def check(cfg: DictConfig) -> Plan:
     """Config, output directories and the checkpoint to resume from, before any process group."""
+    from engram_train.training.run_config import ConfigError, padded_vocab_size, validate_run_config
+
+    # Validated (run and model rules) and built, still without a process group, and before the
+    # modules below (megatron's checkpointing, datasets) are imported: a config error shows at once.
+    model_config = validate_run_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+
     from engram_train.checkpointing import (
         check_checkpoint,
         has_checkpoints,
@@ -151,13 +198,8 @@ def check(cfg: DictConfig) -> Plan:
     from engram_train.engram.tokenizer import TokenizerNotFoundError
     from engram_train.training.divergence import guard_from_config
     from engram_train.training.faults import check_writable
-    from engram_train.training.run_config import ConfigError, padded_vocab_size, validate_run_config
     from engram_train.training.run_identity import run_identity
 
-    # megatron logs every parameter name at INFO while building the optimizer; keep its warnings.
-    logging.getLogger("megatron").setLevel(logging.WARNING)
-    # Validated (run and model rules) and built, still without a process group.
-    model_config = validate_run_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     check_writable(cfg.experiment.exp_dir, "experiment.exp_dir")
     if cfg.checkpoint.save:
         check_writable(cfg.checkpoint.save, "checkpoint.save")
@@ -490,6 +532,7 @@ def train(job: Job, progress: Progress) -> dict:
     """The optimizer steps, logging, evaluation and checkpoints; returns the last record."""
     from megatron.core.optimizer_param_scheduler import get_canonical_lr_for_logging
 
+    from engram_train.logs import console
     from engram_train.metrics import format_eval_line, format_log_line
     from engram_train.training.divergence import SUSPECT, guard_from_config
     from engram_train.training.engram_timing import EngramStepTimes
@@ -533,15 +576,15 @@ def train(job: Job, progress: Progress) -> dict:
                 if eval_now and not abnormal:
                     record["val_loss"] = _validation_loss(job)
                 if job.is_logger:
-                    print(format_log_line(
+                    console(format_log_line(
                         iteration=progress.iteration, train_iters=t.train_iters, consumed_samples=progress.consumed,
                         step_time_s=step_time, lr=record["lr"], global_batch_size=t.global_batch_size,
                         losses={"lm loss": result.lm_loss}, tokens_per_s=record["tokens_per_s"],
                         grad_norm=result.grad_norm,
                         extra={"engram wait (ms)": engram["engram_wait_s"] * 1000} if engram else None,
-                    ), flush=True)  # fmt: skip
+                    ))  # fmt: skip
                     if record.get("val_loss") is not None:
-                        print(format_eval_line(progress.iteration, {"lm loss": record["val_loss"]}), flush=True)
+                        console(format_eval_line(progress.iteration, {"lm loss": record["val_loss"]}))
                     last = job.metrics.log(progress.iteration, **record) or {}
             if stop.nonfinite:
                 _nonfinite_step(job, progress, result, guard)
@@ -584,16 +627,17 @@ def train(job: Job, progress: Progress) -> dict:
 # -- 5. finish ----------------------------------------------------------------------------------
 
 
-def finish(job: Job) -> None:
+def finish(job: Job, plot: bool = True) -> None:
     """Loss plot on the logging rank (a failure is a warning: training is done), then shutdown."""
+    from engram_train.logs import console
     from engram_train.runtime import destroy_distributed
 
-    if job.is_logger:
+    if job.is_logger and plot:
         try:
             from engram_train.plot import plot_runs
 
             png = plot_runs([job.exp_dir], job.exp_dir / "loss.png")
-            print(f"loss curve written to {png}", flush=True)
+            console(f"loss curve written to {png}")
         except Exception as e:  # the run's results are saved; a plot must not fail it
             log.warning("loss plot skipped: %s: %s", type(e).__name__, e)
     destroy_distributed()
@@ -609,31 +653,51 @@ def _exit_with_message(message: str) -> None:
     in its own summary.)
     """
     if os.environ.get("LOCAL_RANK", "0") == "0":
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world > 1:  # every rank raised it; this one reports
+            message += f"\n(reported by rank {os.environ.get('RANK', '0')} of {world})"
         print(message, file=sys.stderr, flush=True)
     else:
         time.sleep(2.0)
     raise SystemExit(1)
 
 
+# The project's own errors, by module and class. Looked up in sys.modules after the fact, so that
+# `main` imports none of these modules (megatron's checkpointing among them) before the config
+# is validated.
+CONFIG_ERRORS = (
+    ("engram_train.training.run_config", "ConfigError"),
+    ("engram_train.engram.tokenizer", "TokenizerNotFoundError"),
+)
+RUN_ERRORS = (
+    ("engram_train.training.run_identity", "ResumeMismatchError"),
+    ("engram_train.checkpointing", "CheckpointError"),
+    ("engram_train.training.faults", "NonFiniteTrainingError"),
+    ("engram_train.training.divergence", "DivergenceError"),
+    ("engram_train.runtime.patches", "UntestedMegatronCoreError"),
+)
+
+
+def _is_one_of(error: BaseException, classes) -> bool:
+    for module, name in classes:
+        cls = getattr(sys.modules.get(module), name, None)
+        if cls is not None and isinstance(error, cls):
+            return True
+    return False
+
+
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="train")
 def main(cfg: DictConfig) -> None:
     """Errors the project raises on purpose (bad config or input, a refused checkpoint, a
     diverged run) end with their message and exit code 1; anything else keeps its traceback."""
-    from engram_train.checkpointing import CheckpointError
-    from engram_train.engram.tokenizer import TokenizerNotFoundError
-    from engram_train.runtime.patches import UntestedMegatronCoreError
-    from engram_train.training.divergence import DivergenceError
-    from engram_train.training.faults import NonFiniteTrainingError
-    from engram_train.training.run_config import ConfigError
-    from engram_train.training.run_identity import ResumeMismatchError
-
     try:
         run(cfg)
-    except (ConfigError, TokenizerNotFoundError) as e:
-        _exit_with_message(f"engram-train: invalid configuration: {e}")
-    except (ResumeMismatchError, CheckpointError, NonFiniteTrainingError, DivergenceError,
-            UntestedMegatronCoreError) as e:
-        _exit_with_message(f"engram-train: {e}")
+    except Exception as e:
+        if _is_one_of(e, CONFIG_ERRORS):
+            _exit_with_message(f"engram-train: invalid configuration: {e}")
+        if _is_one_of(e, RUN_ERRORS):
+            _exit_with_message(f"engram-train: {e}")
+        raise
 
 
 if __name__ == "__main__":

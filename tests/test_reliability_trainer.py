@@ -140,6 +140,41 @@ def test_resume_mismatches_fail_before_any_process_group(base):
     check(_cfg(*load, "model.engram_seed=5", "checkpoint.load_engram=false"))
 
 
+def test_resume_lists_every_mismatch_at_once(base):
+    """Adding Engram's switch and a longer schedule in one relaunch: the identity and the
+    schedule are both reported, with the overrides that accept them together; a shape change
+    among them leaves no such line (it cannot be accepted)."""
+    from engram_train.train import check
+    from engram_train.training.run_identity import ResumeMismatchError
+
+    _, _, ckpt, _ = base
+    load = [f"checkpoint.load={ckpt}", f"experiment.exp_dir={ckpt.parent / 'check_all'}", *COMMON]
+    with pytest.raises(ResumeMismatchError) as e:
+        check(_cfg(*load, "model.engram_seed=5", "train.train_iters=8"))
+    message = str(e.value)
+    assert "model.engram_seed: 0 in the checkpoint, 5 here" in message, message
+    assert "train.train_iters" in message and "32 samples" in message, message
+    assert message.endswith("To accept every difference above in one relaunch, add: "
+                            "checkpoint.load_engram=false checkpoint.override_opt_param_scheduler=true"), message
+    check(_cfg(*load, "model.engram_seed=5", "train.train_iters=8",
+               "checkpoint.load_engram=false", "checkpoint.override_opt_param_scheduler=true"))
+    with pytest.raises(ResumeMismatchError) as e:
+        check(_cfg(*load, "model.hidden_size=128", "train.train_iters=8"))
+    assert "hidden_size" in str(e.value) and "train.train_iters" in str(e.value)
+    assert "in one relaunch" not in str(e.value)
+
+
+def test_resume_at_the_final_iteration_says_so_and_exits_0(base):
+    exp, ckpt = copy_run(base, "final")
+    plot = (exp / "loss.png").read_bytes()
+    proc = run_trainer(f"experiment.exp_dir={exp}", f"checkpoint.load={ckpt}", f"checkpoint.save={ckpt}", *COMMON)
+    assert proc.output.count("engram-train: nothing to train: the checkpoint is at iteration 4 and "
+                             "train.train_iters=4") == 1, proc.output[-3000:]
+    assert "loss plot" not in proc.output and not re.search(r"\] iteration +\d", proc.output)
+    assert (exp / "loss.png").read_bytes() == plot and (ckpt / TRACKER).read_text() == "4"
+    assert [r["iteration"] for r in read_metrics(exp)] == [4]
+
+
 # -- rows: a truncated shard; random bytes inside a shard ---------------------------------------
 
 

@@ -1,5 +1,12 @@
 """Process start-up: distributed init, megatron parallel state, the megatron-core patches."""
 
+from engram_train.logs import quiet_known_warnings as _quiet_known_warnings
+
+# Third-party warnings that say nothing actionable (megatron's optional GPU packages, its use of
+# deprecated torch APIs, the CPU RNG check): filtered once, listed in engram_train/logs.py;
+# ENGRAM_SHOW_WARNINGS=1 keeps them.
+_quiet_known_warnings()
+
 from engram_train.runtime.distributed import (
     ParallelSizes,
     destroy_distributed,
@@ -37,12 +44,3 @@ __all__ = [
     "transformer_engine_available",
     "uninstall_cpu_compat",
 ]
-
-import warnings as _warnings
-
-# megatron-core warns at import time about optional GPU packages on every CPU rank, and about
-# its own use of deprecated torch APIs on every step; neither is actionable for a user.
-_warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* not installed.*")
-_warnings.filterwarnings("ignore", message=r".*full scope is deprecated.*")
-_warnings.filterwarnings("ignore", message=r".*is deprecated. Please use `torch.distributed.*")
-_warnings.filterwarnings("ignore", message=r".*\.grad attribute of a Tensor that is not a leaf.*")

@@ -89,7 +89,26 @@ _IN_SAMPLES = ("lr_warmup_steps", "lr_decay_steps", "wd_incr_steps")
 
 
 class ResumeMismatchError(ValueError):
-    """A checkpoint does not match this run; the message names each key and the override."""
+    """A checkpoint does not match this run; the message names each key and the override.
+
+    ``overrides``: the settings that accept every listed difference (empty when one of them
+    cannot be accepted, e.g. a parameter shape)."""
+
+    def __init__(self, message: str, overrides: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.overrides = tuple(overrides)
+
+
+def combine_mismatches(errors: list[ResumeMismatchError]) -> ResumeMismatchError:
+    """One error listing every mismatch of ``errors`` (run identity, LR schedule), ending with
+    the one relaunch that accepts them all when every part has an override."""
+    if len(errors) == 1:
+        return errors[0]
+    overrides = tuple(o for e in errors for o in e.overrides)
+    message = "\n".join(str(e) for e in errors)
+    if all(e.overrides for e in errors):
+        message += ("\nTo accept every difference above in one relaunch, add: " + " ".join(overrides))
+    return ResumeMismatchError(message, overrides if all(e.overrides for e in errors) else ())
 
 
 def _plain(value: Any) -> Any:
@@ -156,6 +175,8 @@ def check_run_identity(saved: Mapping | None, current: Mapping, *, load_engram: 
     if not saved:
         return
     lines: list[str] = []
+    overrides: list[str] = []
+    shape_changed = False
     saved_model = {**SHAPE_FIELD_DEFAULTS, **(saved.get("model") or {})}
     for key, old, new in _diff(saved_model, current["model"]):
         if key == "padded_vocab_size":
@@ -170,10 +191,12 @@ def check_run_identity(saved: Mapping | None, current: Mapping, *, load_engram: 
             f"{what}: {_show(old)} in the checkpoint, {_show(new)} here. Parameter shapes cannot "
             f"change on resume: use the checkpoint's value, or start a new run"
         )
+        shape_changed = True
     was, now = bool(saved.get("use_engram")), bool(current.get("use_engram"))
     if not load_engram:
         pass
     elif was != now:
+        overrides.append("checkpoint.load_engram=false")
         if now:
             lines.append(
                 "model.use_engram: the checkpoint was saved without Engram, this run has "
@@ -191,6 +214,8 @@ def check_run_identity(saved: Mapping | None, current: Mapping, *, load_engram: 
         if any(key in ENGRAM_FIELDS or key == "tokenizer" for key, _, _ in changes):
             # what is derived from a changed setting says nothing new
             changes = [c for c in changes if c[0] in ENGRAM_FIELDS or c[0] == "tokenizer"]
+        if changes:
+            overrides.append("checkpoint.load_engram=false")
         for key, old, new in changes:
             what = ENGRAM_DERIVED.get(key, f"model.{key}")
             fix = (
@@ -204,7 +229,8 @@ def check_run_identity(saved: Mapping | None, current: Mapping, *, load_engram: 
             )
     if lines:
         raise ResumeMismatchError(
-            f"checkpoint {where} does not match this run:\n  - " + "\n  - ".join(lines)
+            f"checkpoint {where} does not match this run:\n  - " + "\n  - ".join(lines),
+            () if shape_changed else tuple(overrides),
         )
 
 
@@ -249,5 +275,6 @@ def check_schedule(
             + "\nChoose: checkpoint.override_opt_param_scheduler=true follows this run's schedule "
             "from the checkpoint's sample count on (the LR moves to where the new schedule is "
             "there); checkpoint.use_checkpoint_opt_param_scheduler=true keeps the checkpoint's "
-            "(iterations past its decay length run at its min_lr); or resume with the old values."
+            "(iterations past its decay length run at its min_lr); or resume with the old values.",
+            ("checkpoint.override_opt_param_scheduler=true",),
         )
