@@ -38,7 +38,7 @@ from engram_train.engram.hashing import engram_head_vocab_sizes
 from engram_train.parallel.embedding import AllReduceLookup, AllToAllLookup, CommStats
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_OUT = REPO / "benchmarks" / "results" / "bench_embedding_parallel.json"
+DEFAULT_OUT = REPO / "outputs" / "benchmarks" / "bench_embedding_parallel.json"
 
 
 def parse_args(argv=None):

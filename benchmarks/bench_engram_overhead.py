@@ -32,7 +32,7 @@ from bench_common import write_result  # noqa: E402
 from bench_table_scaling import run_trainer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_OUT = REPO / "benchmarks" / "results" / "bench_engram_overhead.json"
+DEFAULT_OUT = REPO / "outputs" / "benchmarks" / "bench_engram_overhead.json"
 GLOBAL_BATCH, MICRO_BATCH, SEQ, ENGRAM_LAYERS = 8, 2, 128, 2
 
 

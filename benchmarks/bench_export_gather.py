@@ -67,7 +67,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--repeats", type=int, default=21)
     parser.add_argument("--copy-mib", type=int, default=256, help="bytes copied for bandwidth")
     parser.add_argument("--dir", default=None, help="where the table file goes (default: tmp)")
-    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" /
+    parser.add_argument("--out", default=str(REPO / "outputs" / "benchmarks" /
                                              "bench_export_gather.json"))
     args = parser.parse_args(argv)
     dtype = DTYPES[args.dtype]

@@ -5,7 +5,7 @@ asserted equal; tokens/s counts input tokens hashed for all Engram layers. Write
 and their ratios as JSON (spec section 6, "Hash speed"). The project returns hashes stored
 head-major (a permuted [B, T, K] view); the `c_order` row adds the copy to C order.
 
-    python benchmarks/bench_hash.py [--out benchmarks/results/bench_hash.json]
+    python benchmarks/bench_hash.py [--out outputs/benchmarks/bench_hash.json]
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def interleaved_times(fns, repeats):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "bench_hash.json"))
+    parser.add_argument("--out", default=str(REPO / "outputs" / "benchmarks" / "bench_hash.json"))
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=30)

@@ -28,7 +28,7 @@ import torch
 from bench_common import write_result
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_OUT = REPO / "benchmarks" / "results" / "bench_row_update.json"
+DEFAULT_OUT = REPO / "outputs" / "benchmarks" / "bench_row_update.json"
 ROWS_X1 = 2 * 4 * 20011  # rows per Engram layer of the demo preset (2 orders x 4 heads)
 DIM, LAYERS, TOUCHED = 16, 2, 7500
 

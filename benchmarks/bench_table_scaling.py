@@ -35,7 +35,7 @@ from pathlib import Path
 from bench_common import free_port, write_result
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_OUT = REPO / "benchmarks" / "results" / "bench_table_scaling.json"
+DEFAULT_OUT = REPO / "outputs" / "benchmarks" / "bench_table_scaling.json"
 BASE_VOCAB = 20011  # the demo preset's engram_vocab_size per n-gram order
 STEP_RE = re.compile(r"iteration\s+(\d+)/\s*\d+ .*elapsed time per iteration \(ms\): ([\d.]+)")
 MEM_RE = re.compile(r"mem \(GiB\) rss/max: ([\d.]+)/([\d.]+)")

@@ -20,7 +20,7 @@ from pathlib import Path
 from bench_common import write_result
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_OUT = REPO / "benchmarks" / "results" / "compare_table_optimizers.json"
+DEFAULT_OUT = REPO / "outputs" / "benchmarks" / "compare_table_optimizers.json"
 
 
 def parse_args(argv=None):

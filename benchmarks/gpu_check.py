@@ -38,7 +38,8 @@ Sections (each runs independently; a failure is recorded and the next section ru
 Writes JSON (``--out``, rank 0, after every section; every rank prints its own line); exits 1
 if a section failed (``--strict``: also if one was skipped, e.g. Transformer Engine missing),
 3 if ``--time-limit`` (480 s) passed first (the report then names the section that was
-running). ``--allow-cpu`` runs the sections that can run without CUDA on the CPU (gloo), with
+running), 2 on a machine without CUDA ("skipped: no CUDA device": nothing was checked; the
+report says so). ``--allow-cpu`` runs the sections that can run without CUDA on the CPU (gloo), with
 ``--quick`` sizes: the test suite does that to keep this script working.
 """
 
@@ -660,6 +661,17 @@ def main(argv: list[str] | None = None) -> int:
                               gpu_budget_s=sum(s.budget_s for s in SECTIONS), sections=rows),
                          indent=1))
         return 0
+
+    if not cuda and not args.allow_cpu:  # every GPU section would be skipped: not a pass
+        report = dict(world=world, cuda=False, ok=False, skipped="no CUDA device",
+                      sections={r["section"]: dict(status="skipped", reason=r["skip_reason"])
+                                for r in rows})
+        if int(os.environ.get("RANK", "0")) == 0 and args.out:
+            Path(args.out).write_text(json.dumps(report, indent=1, default=str))
+        print("gpu_check: skipped: no CUDA device; nothing was checked. Run it on a GPU machine "
+              "(--allow-cpu runs the sections that work on the CPU; --dry-run prints the plan)",
+              file=sys.stderr, flush=True)
+        return 2
 
     import torch.distributed as dist
 

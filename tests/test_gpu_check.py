@@ -38,6 +38,18 @@ def test_unknown_section_is_an_error():
     assert proc.returncode != 0 and "unknown sections ['tee_spec']" in proc.stderr
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a machine without CUDA")
+def test_without_cuda_it_checks_nothing_and_says_so(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out)], cwd=REPO, env=_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "gpu_check: skipped: no CUDA device" in proc.stderr
+    report = json.loads(out.read_text())
+    assert report["ok"] is False and report["skipped"] == "no CUDA device"
+    assert {s["status"] for s in report["sections"].values()} == {"skipped"}
+
+
 @pytest.fixture(scope="module")
 def cpu_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_check") / "gpu_check.json"

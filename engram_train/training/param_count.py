@@ -17,7 +17,9 @@ EP = 1 (the counts do not depend on the layout), and prints JSON:
 - ``embedding``, ``output_layer``, ``routed_experts``, ``moe_layers``.
 
 ``--vocab-size`` sets the tokenizer vocabulary (padded as the trainer pads it); without it the
-configured ``data.tokenizer`` is read.
+configured ``data.tokenizer`` is read. Flags and Hydra overrides may come in any order. Without
+``--world-size`` (and no ``WORLD_SIZE`` in the environment) the layout is not checked: the counts
+are the same for every layout, and a note on stderr says what was skipped.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import argparse
 import contextlib
 import json
 import os
+import sys
 from collections import defaultdict
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -156,23 +159,33 @@ def compose_config(overrides: list[str]):
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", 1)),
-                        help="processes the configuration is validated for (none are started)")
+    env_world = os.environ.get("WORLD_SIZE")
+    parser.add_argument("--world-size", type=int, default=int(env_world) if env_world else None,
+                        help="processes the configuration's layout is validated for (none are "
+                        "started); default: WORLD_SIZE, else the layout is not checked")
     parser.add_argument("--vocab-size", type=int, default=None,
                         help="tokenizer vocabulary size (default: read data.tokenizer)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for engram-train")
-    args = parser.parse_args(argv)
+    # Flags before, between or after the overrides (`model=x --world-size 8` as well).
+    args = parser.parse_intermixed_args(argv)
 
+    from engram_train.logs import quiet_known_warnings
+
+    quiet_known_warnings()
     from engram_train.runtime import ParallelSizes, destroy_distributed, initialize_distributed
     from engram_train.training.run_config import ConfigError
 
     cfg = compose_config(args.overrides)
+    if args.world_size is None:
+        print("param_count: layout not checked (no --world-size); the counts do not depend on it",
+              file=sys.stderr)
     os.environ["WORLD_SIZE"], os.environ["RANK"] = "1", "0"
     initialize_distributed(ParallelSizes())
     try:
         counts = run_config_counts(cfg, args.world_size, args.vocab_size)
     except ConfigError as e:
-        raise SystemExit(f"invalid configuration: {e}") from None
+        where = f" for --world-size {args.world_size}" if args.world_size else ""
+        raise SystemExit(f"param_count: invalid configuration{where}: {e}") from None
     finally:
         destroy_distributed()
     print(json.dumps(counts, indent=1))
