@@ -32,19 +32,19 @@ KNOWN_WARNINGS = (
                  "optional GPU packages absent: megatron falls back to torch modules (the local spec "
                  "the project uses on CPUs anyway)"),
     KnownWarning(r".*full scope is deprecated", "megatron-core", "warning",
-                 "megatron's own use of a deprecated option of its recompute code"),
+                 "megatron's own default for cuda_graph_scope (no CUDA graphs are used here)"),
     KnownWarning(r".*is deprecated\. Please use `torch\.distributed", "torch (called by megatron-core)",
                  "warning", "megatron-core calls a deprecated torch.distributed function"),
     KnownWarning(r".*\.grad attribute of a Tensor that is not a leaf", "torch (megatron-core's "
                  "optimizer)", "warning", "megatron reads .grad of its non-leaf main parameters on purpose"),
     KnownWarning(r".*`load_state_dict` is deprecated and will be removed", "torch.distributed.checkpoint "
-                 "(called by megatron-core)", "warning", "megatron-core's checkpoint loader uses the old name"),
-    KnownWarning(r".*(TupleStrategy\.childs is deprecated|Deprecating (input|output)_fn)",
-                 "torch DTensor (called by megatron-core)", "warning",
-                 "deprecated DTensor APIs used inside megatron-core's checkpoint code"),
-    KnownWarning(r".*`torch\.distributed\._shard\.|.*torch\.distributed\._sharded_tensor",
-                 "torch (called by megatron-core)", "warning",
-                 "megatron-core's checkpoint code uses a deprecated ShardedTensor module"),
+                 "(called by megatron-core)", "warning", "megatron-core's checkpoint loader uses the old name (seen on resume)"),
+    KnownWarning(r".*Please use DTensor instead and we are deprecating ShardedTensor",
+                 "torch.distributed.checkpoint (called by megatron-core)", "warning",
+                 "megatron-core's checkpoints are ShardedTensor-based (seen on resume)"),
+    KnownWarning(r"When using sequence parallelism it is recommended to set the environment "
+                 r"variable CUDA_DEVICE_MAX_CONNECTIONS", "megatron-core", "warning",
+                 "a CUDA setting; on a GPU it stays (set CUDA_DEVICE_MAX_CONNECTIONS=1)", cpu_only=True),
     KnownWarning(r"CPU RNG state changed within GPU RNG context", "megatron-core",
                  "megatron.core.tensor_parallel.random",
                  "on a CPU-only host the 'GPU' RNG state is the CPU generator (docs/cpu.md), so "
