@@ -32,11 +32,13 @@ EXPECTED_FIXES = {
         "distopt_load_into_fresh_torch_adam",
         "distopt_shared_torch_adam_step",
         "blended_dataset_without_process_group",
+        "mhc_pipeline_shapes",
     ],
     "0.19.2": [
         "distopt_torch_adam_step_on_load",
         "distopt_load_into_fresh_torch_adam",
         "distopt_shared_torch_adam_step",
+        "mhc_pipeline_shapes",
     ],
 }
 NON_CPU = [p.name for p in patches.PATCHES if p.name not in patches.CPU_PATCHES]

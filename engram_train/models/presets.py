@@ -34,8 +34,15 @@ def model_preset(name: str) -> dict[str, Any]:
 
 
 def backbone_preset(name: str) -> dict[str, Any]:
-    """The preset's megatron (backbone) fields only: its Engram fields dropped."""
-    from engram_train.config import EngramConfig
+    """The preset's megatron (backbone) fields only: its Engram fields dropped, and its mHC
+    fields too when mHC is off (megatron-core's own configs have none; with mHC on they stay,
+    for a composed config: ``engram_train.config``)."""
+    import dataclasses
 
-    engram = set(EngramConfig.field_names())
-    return {k: v for k, v in model_preset(name).items() if k not in engram}
+    from engram_train.config import EngramConfig, HyperConnectionConfig
+
+    dropped = set(EngramConfig.field_names())
+    preset = model_preset(name)
+    if not preset.get("enable_hyper_connections"):
+        dropped |= {f.name for f in dataclasses.fields(HyperConnectionConfig)}
+    return {k: v for k, v in preset.items() if k not in dropped}
