@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 import torch
 from golden_cases import GOLDEN_DIR, case_names, engram_config, load_meta, module_cases
+from damage import corrupt
 from launch import REPO, free_port, torchrun
 from safetensors.numpy import load_file as load_numpy
 from safetensors.torch import load_file, save_file
@@ -574,24 +575,13 @@ def test_cli_errors_name_the_problem(trained, tmp_path):
     assert not out.exists()
 
 
-def _corrupt(path: Path, *, truncate: bool = False) -> None:
-    """64 KiB of random bytes in the middle of the file (same size), or cut it in half."""
-    size = path.stat().st_size
-    if truncate:
-        os.truncate(path, size // 2)
-        return
-    with open(path, "r+b") as f:
-        f.seek(size // 2)
-        f.write(np.random.default_rng(0).bytes(65536))
-
-
 def test_export_refuses_a_damaged_checkpoint_naming_the_file(trained, tmp_path):
     """64 KiB of random bytes in a shard (issue 26): the trainer's check and message, nothing
     written. --no-verify skips the checksums; sizes are compared either way."""
     damaged = tmp_path / "ckpt"
     shutil.copytree(trained.ckpt, damaged)
     shard = max((damaged / "iter_0000002").glob("*.distcp"), key=lambda p: p.stat().st_size)
-    _corrupt(shard)
+    corrupt(shard)
     out = tmp_path / "out"
     message = _cli_error("--load", damaged, "--out", out, "--config", trained.config)
     assert message.startswith(f"engram-export: error: checkpoint {damaged / 'iter_0000002'} is damaged; nothing "
@@ -601,7 +591,7 @@ def test_export_refuses_a_damaged_checkpoint_naming_the_file(trained, tmp_path):
     export_checkpoint(trained.ckpt, out, verify=False, log=logged.append)
     assert any("match manifest.json (sizes only: --no-verify)" in m for m in logged)
     size = shard.stat().st_size
-    _corrupt(shard, truncate=True)
+    corrupt(shard, truncate=True)
     message = _cli_error("--load", damaged, "--out", tmp_path / "out2", "--no-verify")
     assert f"{shard}: {size // 2} bytes, {size} were written" in message
 

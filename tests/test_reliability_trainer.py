@@ -27,6 +27,7 @@ from packaging.version import Version
 
 from engram_train.runtime import megatron_core_version
 
+from damage import corrupt
 from launch import REPO, free_port
 
 CONF = str(REPO / "conf")
@@ -59,20 +60,6 @@ def manifest_digest(ckpt: Path) -> dict:
 def _cfg(*overrides):
     with initialize_config_dir(config_dir=CONF, version_base=None):
         return compose(config_name="train", overrides=list(overrides))
-
-
-def corrupt(path: Path, *, truncate: bool = False, seed: int = 0) -> None:
-    """64 KiB of random bytes in the middle of the file (same size), or cut it in half."""
-    size = path.stat().st_size
-    if truncate:
-        os.truncate(path, size // 2)
-        return
-    import random
-
-    with open(path, "r+b") as f:
-        f.seek(size // 2)
-        f.write(random.Random(seed).randbytes(65536))
-    assert path.stat().st_size == size
 
 
 COMMON = ["train.train_iters=4", "checkpoint.save_interval=2", "train.eval_interval=null", "train.lr_warmup_iters=2"]
