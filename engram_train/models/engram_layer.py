@@ -29,7 +29,10 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
 from engram_train.engram.module import engram_table_dtype
-from engram_train.models.hyper_connection_layer import HyperConnectionTransformerLayer
+from engram_train.models.hyper_connection_layer import (
+    HyperConnectionTransformerLayer,
+    split_streams,
+)
 from engram_train.parallel.embedding import engram_embedding_parallel
 
 
@@ -89,9 +92,8 @@ class EngramTransformerLayer(TransformerLayer):
         streams = self.engram.hc_mult
         if streams == 1:
             return self.engram(hidden_states, **ids)
-        s, b, width = hidden_states.shape
-        output = self.engram(hidden_states.view(s, b, streams, width // streams), **ids)
-        return output.reshape(s, b, width)
+        output = self.engram(split_streams(hidden_states, streams), **ids)
+        return output.reshape(hidden_states.shape)
 
     def issue_lookup(self, context: torch.Tensor):
         """Start this layer's lookup for the micro-batch's [L, B, S, K] block (prefetch)."""

@@ -23,9 +23,12 @@ from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.utils import WrappedTensor, make_viewless_tensor
 
 from engram_train.models.engram_gpt import EngramGPTModel
-
 from engram_train.models.hyper_connection import HyperHead
-from engram_train.models.hyper_connection_layer import mark_sequence_parallel, parameter_device
+from engram_train.models.hyper_connection_layer import (
+    mark_sequence_parallel,
+    parameter_device,
+    split_streams,
+)
 
 
 def expand_streams(x: torch.Tensor, num_streams: int) -> torch.Tensor:
@@ -36,9 +39,7 @@ def expand_streams(x: torch.Tensor, num_streams: int) -> torch.Tensor:
 
 def _collapse_before_norm(head: HyperHead, _norm, args):
     (hidden_states, *rest) = args
-    s, b, width = hidden_states.shape
-    streams = hidden_states.view(s, b, head.num_streams, width // head.num_streams)
-    return (head(streams), *rest)
+    return (head(split_streams(hidden_states, head.num_streams)), *rest)
 
 
 class HyperConnectionModelMixin:
