@@ -33,9 +33,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from bench_common import free_port, write_result
 
-from engram_train.engram.embedding import MultiHeadEmbedding
-from engram_train.engram.hashing import engram_head_vocab_sizes
-from engram_train.parallel.embedding import AllReduceLookup, AllToAllLookup, CommStats
+from engram_train.engram.tables import MultiHeadEmbedding
+from engram_train.engram.ngram_hash import engram_head_vocab_sizes
+from engram_train.parallel.lookup import AllReduceLookup, AllToAllLookup, CommStats
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "outputs" / "benchmarks" / "bench_embedding_parallel.json"

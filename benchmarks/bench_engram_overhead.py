@@ -51,7 +51,7 @@ def module_compute_s(repeats: int = 50) -> float:
     import torch
 
     from engram_train.config import EngramConfig
-    from engram_train.engram.module import Engram
+    from engram_train.engram.engram_module import Engram
 
     torch.set_num_threads(1)
     config = EngramConfig(use_engram=True, engram_vocab_size=[211, 223], max_ngram_size=3,

@@ -23,8 +23,8 @@ import numpy as np
 import torch
 
 from engram_train.config import EngramConfig
-from engram_train.engram.hashing import NgramHashMapping
-from engram_train.engram.tokenizer import CompressedTokenizer
+from engram_train.engram.ngram_hash import NgramHashMapping
+from engram_train.engram.compressed_tokenizer import CompressedTokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 GOLDEN_TOKENIZER = REPO / "tests" / "data" / "golden" / "tok_bpe4k"

@@ -103,7 +103,7 @@ def run_trainer(config: dict, iters: int, nproc: int, workdir: Path) -> dict:
 def table_params_per_rank(scale: int) -> int:
     """Rows x D of both Engram layers of the demo preset at ``scale`` (eps 1: every rank holds
     all rows)."""
-    from engram_train.engram.hashing import engram_head_vocab_sizes
+    from engram_train.engram.ngram_hash import engram_head_vocab_sizes
 
     vocab = BASE_VOCAB * scale
     sizes = engram_head_vocab_sizes([vocab, vocab], 3, 4, [1, 3])
@@ -118,7 +118,7 @@ def dedup_on_demo_corpus(micro_batch=2, seq=128, micro_batches_per_step=2, steps
     import torch
 
     from engram_train.config import EngramConfig
-    from engram_train.engram.hashing import NgramHashMapping
+    from engram_train.engram.ngram_hash import NgramHashMapping
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     dataset = IndexedDataset(str(REPO / "examples/data/demo_text_document"))

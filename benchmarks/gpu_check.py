@@ -160,7 +160,7 @@ def with_hash_ids(config, batches: list[dict]) -> list[dict]:
     """The data path's ``[L, B, S, K]`` hash id block added to every micro-batch."""
     if not config.use_engram:
         return batches
-    from engram_train.engram.hashing import NgramHashMapping
+    from engram_train.engram.ngram_hash import NgramHashMapping
 
     mapping = NgramHashMapping(config)
     return [dict(b, engram_hash_ids=torch.as_tensor(mapping.hash_stacked(b["tokens"])))
@@ -307,9 +307,9 @@ def nccl_embedding(ctx: Context) -> dict:
     from megatron.core import parallel_state
 
     from engram_train.config import EngramConfig
-    from engram_train.engram.module import Engram
+    from engram_train.engram.engram_module import Engram
     from engram_train.parallel import groups
-    from engram_train.parallel.embedding import engram_embedding_parallel
+    from engram_train.parallel.lookup import engram_embedding_parallel
 
     hidden, seq, micro, layer = 64, 256 if not ctx.quick else 32, 4 if not ctx.quick else 2, 3
     vocab = [200_003, 200_003] if not ctx.quick else [5_003, 5_003]
@@ -417,8 +417,8 @@ def bf16_training(ctx: Context) -> dict:
 
 def prefetch(ctx: Context) -> dict:
     from engram_train.data import HashPrefetchIterator
-    from engram_train.engram.hashing import NgramHashMapping
-    from engram_train.parallel.embedding import LOOKUP_TIMES
+    from engram_train.engram.ngram_hash import NgramHashMapping
+    from engram_train.parallel.lookup import LOOKUP_TIMES
     from engram_train.training.step import train_step
 
     steps, micro_batches = (3, 2) if ctx.quick else (8, 4)
@@ -545,7 +545,7 @@ def offload(ctx: Context) -> dict:
 
 def throughput(ctx: Context) -> dict:
     from engram_train.data import HashPrefetchIterator
-    from engram_train.engram.hashing import NgramHashMapping
+    from engram_train.engram.ngram_hash import NgramHashMapping
     from engram_train.training.step import train_step
 
     preset = "deepseek_v3_tiny" if ctx.quick else "deepseek_v3_small"

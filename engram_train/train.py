@@ -195,7 +195,7 @@ def check(cfg: DictConfig) -> Plan:
         DamagedCheckpointError,
     )
     from engram_train.data import load_tokenizer
-    from engram_train.engram.tokenizer import TokenizerNotFoundError
+    from engram_train.engram.compressed_tokenizer import TokenizerNotFoundError
     from engram_train.training.divergence import guard_from_config
     from engram_train.training.faults import check_writable
     from engram_train.training.run_identity import run_identity
@@ -208,7 +208,7 @@ def check(cfg: DictConfig) -> Plan:
     vocab_size = padded_vocab_size(tokenizer.vocab_size, model_config.tensor_model_parallel_size)
     mapping = None
     if model_config.use_engram:
-        from engram_train.engram.hashing import NgramHashMapping
+        from engram_train.engram.ngram_hash import NgramHashMapping
 
         try:
             mapping = NgramHashMapping(model_config, num_threads=int(cfg.data.get("hash_threads", 1)))
@@ -667,7 +667,7 @@ def _exit_with_message(message: str) -> None:
 # is validated.
 CONFIG_ERRORS = (
     ("engram_train.training.run_config", "ConfigError"),
-    ("engram_train.engram.tokenizer", "TokenizerNotFoundError"),
+    ("engram_train.engram.compressed_tokenizer", "TokenizerNotFoundError"),
 )
 RUN_ERRORS = (
     ("engram_train.training.run_identity", "ResumeMismatchError"),

@@ -18,7 +18,7 @@ from hydra import compose, initialize_config_dir
 from launch import REPO, free_port, torchrun
 
 from engram_train.config import EngramConfig
-from engram_train.engram.module import Engram
+from engram_train.engram.engram_module import Engram
 
 CONF = str(REPO / "conf")
 BF16, FP32 = "torch.bfloat16", "torch.float32"

@@ -21,7 +21,7 @@ from engram_train.data.datasets import (
 )
 from engram_train.data.preprocess import iter_documents
 from engram_train.data.preprocess import main as preprocess_main
-from engram_train.data.tokenizer import HFTokenizer, TokenizerNotFoundError, load_tokenizer
+from engram_train.data.text_tokenizer import HFTokenizer, TokenizerNotFoundError, load_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_JSONL = REPO / "examples" / "data" / "demo_corpus.jsonl"

@@ -5,7 +5,7 @@ import pytest
 
 from launch import torchrun
 
-from engram_train.parallel.embedding import row_range
+from engram_train.parallel.lookup import row_range
 from engram_train.runtime import ParallelSizes
 
 ATOL = 1e-6

@@ -33,10 +33,10 @@ from safetensors.numpy import load_file as load_numpy
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from engram_train.engram.hashing import NgramHashMapping
-from engram_train.engram.module import Engram
+from engram_train.engram.ngram_hash import NgramHashMapping
+from engram_train.engram.engram_module import Engram
 from engram_train.engram.reference_io import load_reference_state_dict
-from engram_train.engram.tokenizer import CompressedTokenizer
+from engram_train.engram.compressed_tokenizer import CompressedTokenizer
 from engram_train.export import ExportError, ExportFormatError, export_checkpoint, main
 from engram_train.export.checkpoint_reader import DistCheckpointReader
 from engram_train.export.format import TABLE, layer_tensor_names

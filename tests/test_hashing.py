@@ -17,12 +17,12 @@ from hypothesis import strategies as st
 
 from engram_train.config import EngramConfig
 from engram_train.engram import tokenizer as tokenizer_module
-from engram_train.engram.embedding import (
+from engram_train.engram.tables import (
     INIT_BLOCK_ROWS,
     MultiHeadEmbedding,
     partition_invariant_normal_,
 )
-from engram_train.engram.hashing import (
+from engram_train.engram.ngram_hash import (
     NgramHashMapping,
     document_distance,
     engram_head_vocab_sizes,
@@ -30,7 +30,7 @@ from engram_train.engram.hashing import (
     is_prime,
     layer_multipliers,
 )
-from engram_train.engram.tokenizer import CompressedTokenizer
+from engram_train.engram.compressed_tokenizer import CompressedTokenizer
 
 # The repository's own copy: $ENGRAM_GOLDEN_DIR may point at cases with other tokenizers.
 GOLDEN_TOKENIZER = Path(__file__).resolve().parent / "data" / "golden" / "tok_bpe4k"

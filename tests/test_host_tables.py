@@ -60,7 +60,7 @@ def _cfg(overrides):
 
 def test_table_params_per_rank_match_the_built_shard():
     """The start-up estimate (rows ~ engram_vocab_size per head) against the real primes."""
-    from engram_train.engram.hashing import engram_head_vocab_sizes
+    from engram_train.engram.ngram_hash import engram_head_vocab_sizes
     from engram_train.training.run_config import engram_table_params_per_rank
 
     cfg = _cfg(["model.engram_embedding_parallel_size=2"])

@@ -135,7 +135,7 @@ def test_engram_27b_commands_keep_the_papers_experts():
 
 def closed_form(m, vocab: int) -> dict:
     """Parameter counts from the preset's fields (MLA + RMSNorm + SwiGLU MoE, untied output)."""
-    from engram_train.engram.hashing import engram_head_vocab_sizes
+    from engram_train.engram.ngram_hash import engram_head_vocab_sizes
 
     d, h, L = m.hidden_size, m.num_attention_heads, m.num_layers
     attention = (d * m.q_lora_rank + m.q_lora_rank  # q down + its norm

@@ -13,10 +13,10 @@ from golden_cases import GOLDEN_DIR, case_names, engram_config, load_meta, modul
 from safetensors.numpy import load_file as load_numpy
 from safetensors.torch import load_file as load_torch
 
-from engram_train.engram.hashing import NgramHashMapping
-from engram_train.engram.module import Engram
+from engram_train.engram.ngram_hash import NgramHashMapping
+from engram_train.engram.engram_module import Engram
 from engram_train.engram.reference_io import REFERENCE_TABLE, load_reference_state_dict
-from engram_train.engram.tokenizer import CompressedTokenizer
+from engram_train.engram.compressed_tokenizer import CompressedTokenizer
 
 GRAD_RTOL = 2e-4
 

@@ -34,7 +34,7 @@ def _cfg(*overrides):
 
 
 def _identity(*overrides):
-    from engram_train.engram.hashing import NgramHashMapping
+    from engram_train.engram.ngram_hash import NgramHashMapping
     from engram_train.training.run_config import build_transformer_config
     from engram_train.training.run_identity import run_identity
 
@@ -49,7 +49,7 @@ def _identity(*overrides):
 def test_layer_id_order_does_not_change_the_tables():
     """[3, 1] and [1, 3] are the same model: sorted ids, the same primes and multipliers."""
     from engram_train.config import EngramConfig
-    from engram_train.engram.hashing import NgramHashMapping, engram_head_vocab_sizes
+    from engram_train.engram.ngram_hash import NgramHashMapping, engram_head_vocab_sizes
 
     assert EngramConfig(engram_layer_ids=[3, 1]).engram_layer_ids == [1, 3]
     a, b = _identity("model.engram_layer_ids=[3,1]"), _identity("model.engram_layer_ids=[1,3]")
@@ -281,7 +281,7 @@ def test_bad_inputs_name_file_and_line(tmp_path, capsys, name, content, args, me
 
 
 def test_skip_bad_lines_counts_them(tmp_path, capsys):
-    from engram_train.data.tokenizer import load_tokenizer
+    from engram_train.data.text_tokenizer import load_tokenizer
 
     path = tmp_path / "mixed.jsonl"
     path.write_bytes(b'{"text": "first good"}\n{"body": 1}\n{"text": "caf\xe9"}\nnot json\n'

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from engram_train.engram.embedding import MultiHeadEmbedding
+from engram_train.engram.tables import MultiHeadEmbedding
 from engram_train.engram.row_grad import arm_row_sparse_grad, coalesce_rows, gather_rows
 from engram_train.parallel.row_grad_sync import sparse_is_cheaper
 from engram_train.training.sparse_adam import RowSparseAdam

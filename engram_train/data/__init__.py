@@ -1,6 +1,6 @@
 """Training data: tokenizer adapter, preprocessing, megatron GPT datasets, micro-batches.
 
-- `tokenizer`: `HFTokenizer`, megatron's tokenizer interface over a local ``tokenizer.json``.
+- `text_tokenizer`: `HFTokenizer`, megatron's tokenizer interface over a local ``tokenizer.json``.
 - `preprocess`: the ``engram-preprocess`` CLI, documents -> megatron ``.bin/.idx``.
 - `datasets`: `build_gpt_datasets`, train/valid/test ``GPTDataset``s from a blend of prefixes.
 - `batches`: `MicroBatchIterator` (data-parallel split, resumable) and `HashPrefetchIterator`
@@ -15,9 +15,9 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "HFTokenizer": "tokenizer",
-    "TokenizerNotFoundError": "tokenizer",
-    "load_tokenizer": "tokenizer",
+    "HFTokenizer": "text_tokenizer",
+    "TokenizerNotFoundError": "text_tokenizer",
+    "load_tokenizer": "text_tokenizer",
     "build_gpt_datasets": "datasets",
     "ensure_dataset_helpers": "datasets",
     "DEMO_DATA_PREFIX": "datasets",

@@ -45,7 +45,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from engram_train.runtime.patches import DATASET_PATCHES, apply_patches, megatron_core_version
-from engram_train.engram.tokenizer import default_cache_dir
+from engram_train.engram.compressed_tokenizer import default_cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -194,7 +194,7 @@ def build_gpt_datasets(
 
     Args:
         data_path: dataset prefix(es) written by ``engram-preprocess`` (see `parse_blend`).
-        tokenizer: a megatron tokenizer (e.g. `engram_train.data.tokenizer.HFTokenizer`).
+        tokenizer: a megatron tokenizer (e.g. `engram_train.data.text_tokenizer.HFTokenizer`).
         seq_length: tokens per sample; each sample reads ``seq_length + 1`` tokens so that
             ``labels`` are ``tokens`` shifted by one.
         num_samples: samples to draw per split, ``(train, valid, test)``; a dataset smaller

@@ -315,7 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).* not installed")
-    from engram_train.data.tokenizer import load_tokenizer
+    from engram_train.data.text_tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(args.tokenizer, eod_token=args.eod_token)
     try:

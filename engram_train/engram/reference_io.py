@@ -12,7 +12,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from engram_train.engram.module import Engram
+from engram_train.engram.engram_module import Engram
 
 REFERENCE_TABLE = "multi_head_embedding.embedding.weight"
 PROJECT_TABLE = "multi_head_embedding.weight"

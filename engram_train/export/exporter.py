@@ -292,7 +292,7 @@ def check_checkpoint(reader: DistCheckpointReader, engram, hidden_size: int, map
                      where: str) -> dict[int, dict[str, str]]:
     """Every Engram tensor present with the shape the config implies (and the stored head
     offsets equal to the ones the config's primes give); returns `engram_layer_keys`."""
-    from engram_train.engram.module import Engram
+    from engram_train.engram.engram_module import Engram
     from engram_train.engram.reference_io import reference_name
 
     stored = engram_layer_keys(reader)
@@ -380,8 +380,8 @@ def plan_export(load, *, iteration=None, config=None, tokenizer=None, verify=Tru
     `verify` false sizes only), find its run config and build the hash constants, compare them
     with the run identity the manifest stores (`check_run_identity`) and check every Engram
     tensor of the checkpoint against them (`check_checkpoint`)."""
-    from engram_train.engram.hashing import NgramHashMapping
-    from engram_train.engram.tokenizer import (
+    from engram_train.engram.ngram_hash import NgramHashMapping
+    from engram_train.engram.compressed_tokenizer import (
         CompressedTokenizer,
         TokenizerNotFoundError,
         resolve_tokenizer_file,

@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from engram_train.engram.hashing import _LAYER_SEED_STRIDE as LAYER_SEED_STRIDE
-from engram_train.engram.module import CONV_NORM_EPS, GATE_NORM_EPS, GATE_SCORE_FLOOR
+from engram_train.engram.ngram_hash import _LAYER_SEED_STRIDE as LAYER_SEED_STRIDE
+from engram_train.engram.engram_module import CONV_NORM_EPS, GATE_NORM_EPS, GATE_SCORE_FLOOR
 from engram_train.engram.reference_io import OFFSETS, REFERENCE_TABLE
 
 FORMAT_NAME = "engram_train.inference_export"

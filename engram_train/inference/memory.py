@@ -10,7 +10,7 @@ The three stages a serving stack runs per step, in order (docs/export.md, "Servi
 3. `forward(layer_id, hidden, memory, state)`: the dense part (gate, value, short conv) on the
    device, continuing each sequence's causal conv from its last (K-1)*N normalized values.
 
-The dense part is `engram_train.engram.module.Engram` itself, loaded from the export, so its
+The dense part is `engram_train.engram.engram_module.Engram` itself, loaded from the export, so its
 numerics are the training module's. Tensors are batch-first here ([B, T, d] or [B, T, G, d]);
 the residual is the caller's: ``h = h + forward(...)``.
 """
@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from engram_train.engram.module import Engram, ShortConv
+from engram_train.engram.engram_module import Engram, ShortConv
 from engram_train.engram.reference_io import load_reference_state_dict
 from engram_train.export.format import (
     HASH_FILE,
@@ -42,7 +42,7 @@ from engram_train.export.format import (
     primes_tensor,
 )
 from engram_train.export.safetensors_io import MappedSafetensors
-from engram_train.inference.hashing import IncrementalNgramHasher
+from engram_train.inference.incremental_hash import IncrementalNgramHasher
 
 TABLE_MEMORY = ("map", "hugepages")
 
@@ -304,7 +304,7 @@ class EngramMemory:
         """Raise if `tokenizer_file` is not the tokenizer the export was trained with."""
         import hashlib
 
-        from engram_train.engram.tokenizer import resolve_tokenizer_file
+        from engram_train.engram.compressed_tokenizer import resolve_tokenizer_file
 
         file = resolve_tokenizer_file(tokenizer_file, field="tokenizer_file")
         digest = hashlib.sha256(file.read_bytes()).hexdigest()

@@ -65,7 +65,7 @@ class EngramGPTModel(GPTModel):
     def hash_mapping(self):
         """Built on first use: only needed when the batch carries no precomputed hash ids."""
         if self._hash_mapping is None:
-            from engram_train.engram.hashing import NgramHashMapping
+            from engram_train.engram.ngram_hash import NgramHashMapping
 
             if not self.config.engram_tokenizer_name_or_path:
                 raise ValueError(

@@ -28,12 +28,12 @@ from megatron.core.tensor_parallel.mappings import (
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-from engram_train.engram.module import engram_table_dtype
+from engram_train.engram.engram_module import engram_table_dtype
 from engram_train.models.hyper_connection_layer import (
     HyperConnectionTransformerLayer,
     split_streams,
 )
-from engram_train.parallel.embedding import engram_embedding_parallel
+from engram_train.parallel.lookup import engram_embedding_parallel
 
 
 @dataclass

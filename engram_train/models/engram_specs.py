@@ -15,7 +15,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import TransformerLayer, get_transformer_layer_offset
 
-from engram_train.engram.module import Engram
+from engram_train.engram.engram_module import Engram
 from engram_train.models.engram_layer import (
     EngramHyperConnectionLayer,
     EngramTransformerLayer,

@@ -1,6 +1,6 @@
 """Engram parallelism: process groups and sharded table lookups (docs/embedding-parallel.md)."""
 
-from engram_train.parallel.embedding import (
+from engram_train.parallel.lookup import (
     AllReduceLookup,
     AllToAllLookup,
     CommStats,

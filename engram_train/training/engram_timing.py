@@ -14,7 +14,7 @@ hidden fraction.
 from __future__ import annotations
 
 from engram_train.engram.host_table import HOST_TABLE_TIMES
-from engram_train.parallel.embedding import LOOKUP_TIMES
+from engram_train.parallel.lookup import LOOKUP_TIMES
 
 
 class EngramStepTimes:

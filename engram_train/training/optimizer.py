@@ -26,7 +26,7 @@ def build_optimizer(opt_config: OptimizerConfig, model_chunks: list, model_confi
     if not getattr(model_config, "use_engram", False):
         return get_megatron_optimizer(opt_config, model_chunks, config_overrides=overrides)
 
-    from engram_train.parallel.embedding import table_gradient_groups
+    from engram_train.parallel.lookup import table_gradient_groups
     from engram_train.models.table_params import engram_table_params, hidden_from_megatron
     from engram_train.training.engram_optimizer import (
         EngramTableOptimizer,

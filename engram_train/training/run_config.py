@@ -225,7 +225,7 @@ def _check_data(cfg) -> None:
     from omegaconf import OmegaConf
 
     from engram_train.data.datasets import parse_blend
-    from engram_train.engram.tokenizer import TokenizerNotFoundError, resolve_tokenizer_file
+    from engram_train.engram.compressed_tokenizer import TokenizerNotFoundError, resolve_tokenizer_file
 
     d = cfg.data
     try:

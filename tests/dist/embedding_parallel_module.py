@@ -34,9 +34,9 @@ from megatron.core import parallel_state
 from megatron.core.optimizer import OptimizerConfig
 
 from engram_train.config import EngramConfig
-from engram_train.engram.module import Engram
+from engram_train.engram.engram_module import Engram
 from engram_train.parallel import groups
-from engram_train.parallel.embedding import engram_embedding_parallel, table_gradient_groups
+from engram_train.parallel.lookup import engram_embedding_parallel, table_gradient_groups
 from engram_train.training.engram_optimizer import EngramTableOptimizer, engram_table_param_group
 
 TOKENIZER = str(Path(__file__).resolve().parents[1] / "data" / "golden" / "tok_bpe4k")

@@ -55,7 +55,7 @@ def with_hash_ids(batches, layer_ids):
     """The data path's hash ids: one [L, B, S, K] block per micro-batch (as the trainer's
     HashPrefetchIterator adds them), so the model takes the ids it is given."""
     from engram_train.config import EngramConfig
-    from engram_train.engram.hashing import NgramHashMapping
+    from engram_train.engram.ngram_hash import NgramHashMapping
 
     mapping = NgramHashMapping(EngramConfig(engram_layer_ids=list(layer_ids), **ENGRAM))
     return [dict(b, engram_hash_ids=mapping.hash_stacked(b["tokens"])) for b in batches]

@@ -27,7 +27,7 @@ from engram_train.checkpointing import (
     load_checkpoint,
     save_checkpoint,
 )
-from engram_train.engram.tokenizer import CompressedTokenizer
+from engram_train.engram.compressed_tokenizer import CompressedTokenizer
 from engram_train.export.checkpoint_reader import DistCheckpointReader
 from engram_train.models.builder import build_model
 from engram_train.runtime import ParallelSizes, initialize_distributed

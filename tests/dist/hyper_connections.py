@@ -199,7 +199,7 @@ def check_golden_engram_layer(result):
     from golden_cases import GOLDEN_DIR, engram_config, load_meta, tokenizer_path
     from safetensors.torch import load_file as load_torch
 
-    from engram_train.engram.hashing import NgramHashMapping
+    from engram_train.engram.ngram_hash import NgramHashMapping
     from engram_train.engram.reference_io import REFERENCE_TABLE, load_reference_state_dict
 
     from engram_train.models.engram_layer import EngramHyperConnectionLayer

@@ -28,7 +28,7 @@ from megatron.core.optimizer import OptimizerConfig
 
 from engram_train.checkpointing import load_checkpoint, save_checkpoint
 from engram_train.models.builder import build_model
-from engram_train.parallel.embedding import LOOKUP_TIMES
+from engram_train.parallel.lookup import LOOKUP_TIMES
 from engram_train.training.optimizer import build_optimizer
 from engram_train.training.step import train_step
 

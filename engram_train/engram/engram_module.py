@@ -13,8 +13,8 @@ import math
 import torch
 from torch import nn
 
-from engram_train.engram.embedding import MultiHeadEmbedding, mark_engram_param
-from engram_train.engram.hashing import engram_head_vocab_sizes
+from engram_train.engram.tables import MultiHeadEmbedding, mark_engram_param
+from engram_train.engram.ngram_hash import engram_head_vocab_sizes
 
 GATE_NORM_EPS = torch.finfo(torch.float32).eps  # key/query RMSNorms, as the reference
 CONV_NORM_EPS = 1e-5  # ShortConv's RMSNorms
@@ -180,7 +180,7 @@ class Engram(nn.Module):
         tensor replicated as megatron's default treats a plain module."""
         from megatron.core.transformer.utils import sharded_state_dict_default
 
-        from engram_train.engram.embedding import _tensor_parallel_group
+        from engram_train.engram.tables import _tensor_parallel_group
 
         state = {}
         for name, child in self.named_children():

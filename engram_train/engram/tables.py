@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from engram_train.engram.hashing import head_offsets
+from engram_train.engram.ngram_hash import head_offsets
 from engram_train.engram.host_table import make_host_resident
 from engram_train.engram.row_grad import gather_rows
 

@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 from megatron.core.tokenizers import MegatronTokenizerBase
 
-from engram_train.engram.tokenizer import TokenizerNotFoundError  # noqa: F401  (re-exported)
-from engram_train.engram.tokenizer import resolve_tokenizer_file as _resolve
+from engram_train.engram.compressed_tokenizer import TokenizerNotFoundError  # noqa: F401  (re-exported)
+from engram_train.engram.compressed_tokenizer import resolve_tokenizer_file as _resolve
 
 # Looked up in order when the tokenizer folder has no tokenizer_config.json naming an EOS token.
 EOD_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[SEP]")

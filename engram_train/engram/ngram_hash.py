@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from engram_train.engram.tokenizer import CompressedTokenizer, check_raw_ids
+from engram_train.engram.compressed_tokenizer import CompressedTokenizer, check_raw_ids
 
 _INT64_MAX = np.iinfo(np.int64).max
 _LAYER_SEED_STRIDE = 10007  # the reference's PRIME_1: seed of layer L is seed + 10007 * L
