@@ -84,13 +84,18 @@ def engram_head_vocab_sizes(
     max_ngram_size: int,
     n_head_per_ngram: int,
     layer_ids: Sequence[int],
+    one_row: bool = False,
 ) -> dict[int, list[list[int]]]:
     """Prime table size of every head: `{layer: [order n-2][head]}`.
 
     One `seen` set spans all layers (in `layer_ids` order), orders and heads, so no two heads
     anywhere share a modulus. The walk depends on the whole layer list: a layer's primes
-    change if another Engram layer is added before it.
+    change if another Engram layer is added before it. `one_row` (the
+    `engram_one_row_per_head` control): every head gets a single row (modulus 1).
     """
+    if one_row:
+        heads = [1] * int(n_head_per_ngram)
+        return {int(i): [list(heads) for _ in range(max_ngram_size - 1)] for i in layer_ids}
     if len(engram_vocab_size) != max_ngram_size - 1:
         raise ValueError(
             f"engram_vocab_size has {len(engram_vocab_size)} entries; max_ngram_size="
@@ -196,7 +201,8 @@ class NgramHashMapping:
             self.layer_ids, self.max_ngram_size, self.compressed_vocab_size, config.engram_seed
         )
         self.head_vocab_sizes = engram_head_vocab_sizes(
-            config.engram_vocab_size, self.max_ngram_size, self.n_head_per_ngram, self.layer_ids
+            config.engram_vocab_size, self.max_ngram_size, self.n_head_per_ngram, self.layer_ids,
+            one_row=getattr(config, "engram_one_row_per_head", False),
         )
         self.primes = {
             layer: np.array([p for heads in orders for p in heads], dtype=np.int64)

@@ -1,0 +1,3 @@
+from engram_train.sweep.cli import main
+
+main()
