@@ -25,6 +25,8 @@ _BOOL_FIELDS = (
     "engram_prefetch",
     "engram_offload_embedding_optimizer_states",
     "engram_reset_at_eos",
+    "engram_one_row_per_head",
+    "engram_freeze_tables",
 )
 _INT_FIELDS = (
     "max_ngram_size",
@@ -120,6 +122,14 @@ class EngramConfig:
     """Storage dtype of the Engram tables: 'fp32' or 'bf16' (the optimizer keeps float32
     master rows for bf16 tables). The Engram projections, norms and conv follow the model's
     `params_dtype`."""
+
+    engram_one_row_per_head: bool = False
+    """Ablation control: every head's table is one row (every n-gram reads the same row), so the
+    memory is gone while the projections, gate and conv stay; `engram_vocab_size` is ignored."""
+
+    engram_freeze_tables: bool = False
+    """Ablation control: the tables keep their initial values (their learning rate is 0); the
+    rest of the Engram branch trains as usual."""
 
     def __post_init__(self) -> None:
         self._check_engram_types()

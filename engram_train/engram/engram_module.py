@@ -130,7 +130,8 @@ class Engram(nn.Module):
         self.memory_dim = (self.max_ngram_size - 1) * config.n_embed_per_ngram
         self.init_std = float(config.engram_init_std)
         head_sizes = engram_head_vocab_sizes(
-            config.engram_vocab_size, self.max_ngram_size, n_heads, layer_ids
+            config.engram_vocab_size, self.max_ngram_size, n_heads, layer_ids,
+            one_row=getattr(config, "engram_one_row_per_head", False),
         )[self.layer_id]
         factory = {"device": device, "dtype": dtype}
 

@@ -39,10 +39,15 @@ def build_optimizer(opt_config: OptimizerConfig, model_chunks: list, model_confi
             opt_config, model_chunks, config_overrides=overrides
         )
     grad_sync_group, norm_group = table_gradient_groups(model_config)
+    table_group = engram_table_param_group(opt_config, model_config)
+    if getattr(model_config, "engram_freeze_tables", False):
+        # The control of engram_freeze_tables: a zero LR at every step keeps the tables at
+        # their init while the step still costs what a trained table's does.
+        table_group.update(lr=0.0, max_lr=0.0, min_lr=0.0)
     table_optimizer = EngramTableOptimizer(
         opt_config,
         tables,
-        engram_table_param_group(opt_config, model_config),
+        table_group,
         grad_sync_group,
         norm_group,
         calculate_per_token_loss=getattr(model_config, "calculate_per_token_loss", False),
