@@ -35,7 +35,8 @@ from bench_common import free_port, write_result
 
 from engram_train.engram.tables import MultiHeadEmbedding
 from engram_train.engram.ngram_hash import engram_head_vocab_sizes
-from engram_train.parallel.lookup import AllReduceLookup, AllToAllLookup, CommStats
+from engram_train.parallel import lookup as lookup_module
+from engram_train.parallel.lookup import AllReduceLookup, AllToAllLookup
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "outputs" / "benchmarks" / "bench_embedding_parallel.json"
@@ -84,17 +85,50 @@ def analytic_bytes(args) -> dict:
     )
 
 
+class PayloadCounter:
+    """Stands in for ``torch.distributed`` inside the lookup module: forwards every call and
+    counts the payload bytes this rank hands to the lookups' collectives, per method."""
+
+    def __init__(self, real) -> None:
+        self.real = real
+        self.method = None
+        self.counts = {}
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def _count(self, kind: str, nbytes: int) -> None:
+        bucket = self.counts.setdefault(self.method, {"alltoall_sent": 0,
+                                                      "allreduce_payload": 0, "calls": {}})
+        bucket[kind] += int(nbytes)
+        bucket["calls"][kind] = bucket["calls"].get(kind, 0) + 1
+
+    def all_to_all_single(self, output, input, output_split_sizes=None,
+                          input_split_sizes=None, group=None, async_op=False):
+        size, me = group.size(), group.rank()
+        splits = input_split_sizes or [input.shape[0] // size] * size
+        row_bytes = input.element_size() * (input.numel() // max(1, input.shape[0]))
+        self._count("alltoall_sent", (sum(splits) - splits[me]) * row_bytes)
+        return self.real.all_to_all_single(output, input, output_split_sizes,
+                                           input_split_sizes, group=group, async_op=async_op)
+
+    def all_reduce(self, tensor, *args, **kwargs):
+        self._count("allreduce_payload", tensor.numel() * tensor.element_size())
+        return self.real.all_reduce(tensor, *args, **kwargs)
+
+    def reset(self) -> None:
+        self.counts.clear()
+
+
 def worker(rank: int, args, port: int, out_queue) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=args.world)
     world = args.world
     group = dist.new_group(list(range(world)))
-    stats = {"alltoall": CommStats(), "allreduce": CommStats()}
-    methods = {
-        "alltoall": AllToAllLookup(group, stats=stats["alltoall"]),
-        "allreduce": AllReduceLookup(group, stats=stats["allreduce"]),
-    }
+    counter = PayloadCounter(dist)
+    lookup_module.dist = counter
+    methods = {"alltoall": AllToAllLookup(group), "allreduce": AllReduceLookup(group)}
     layer_ids = list(range(args.layers))
     sizes = engram_head_vocab_sizes([args.vocab] * (args.max_ngram_size - 1),
                                     args.max_ngram_size, args.heads, layer_ids)
@@ -118,6 +152,7 @@ def worker(rank: int, args, port: int, out_queue) -> None:
         micro.append((ids, torch.randn(args.batch, args.seq, k * args.dim, generator=g)))
 
     def step(method: str) -> None:
+        counter.method = method
         batches = [micro[rank]] if method == "alltoall" else micro
         for t in tables:
             t.parallel = methods[method]
@@ -134,8 +169,7 @@ def worker(rank: int, args, port: int, out_queue) -> None:
     for i in range(args.warmup + args.steps):
         timed = i >= args.warmup
         if i == args.warmup:
-            for s in stats.values():
-                s.reset()
+            counter.reset()
         for method in order if i % 2 == 0 else order[::-1]:
             dist.barrier()
             before = loopback_tx_bytes() if rank == 0 else None
@@ -149,10 +183,10 @@ def worker(rank: int, args, port: int, out_queue) -> None:
                 samples[method].append(elapsed.item())
                 if before is not None and after is not None:
                     wire[method].append((after - before) / world)
-    payload = {m: dict(alltoall_sent=s.alltoall_sent / args.steps,
-                       allreduce_payload=s.allreduce_payload / args.steps,
-                       calls={c: n // args.steps for c, n in s.calls.items()})
-               for m, s in stats.items()}
+    payload = {m: dict(alltoall_sent=c["alltoall_sent"] / args.steps,
+                       allreduce_payload=c["allreduce_payload"] / args.steps,
+                       calls={k: n // args.steps for k, n in c["calls"].items()})
+               for m, c in counter.counts.items()}
     gathered = [None] * world
     dist.all_gather_object(gathered, payload)
     if rank == 0:

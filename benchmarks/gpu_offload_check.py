@@ -79,7 +79,7 @@ def table_optimizer_run(dtype: torch.dtype, offload: bool, out: dict) -> dict:
     optimizer = EngramTableOptimizer(
         opt_config, tables, engram_table_param_group(opt_config, model_config),
         groups.get_engram_data_parallel_group(), groups.get_engram_model_parallel_group(),
-        offload_states=offload,
+        offload_states=offload, table_optimizer=model_config.engram_optimizer,
     )
     norms = []
     for step in range(STEPS):

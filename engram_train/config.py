@@ -15,10 +15,38 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from engram_train.mhc_config import HyperConnectionConfig, check_hyper_connections, require_int
+
 EMBEDDING_PARALLEL_METHODS = ("alltoall", "allreduce")
 TABLE_OPTIMIZERS = ("sparse_adam", "adam")
-ENGRAM_TABLE_DTYPES = ("fp32", "bf16")
+ENGRAM_TABLE_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # config value -> torch dtype name
+ENGRAM_VALUE_INITS = ("normal", "zero")
 TABLE_PLACEMENTS = ("device", "host")
+
+# Every option that takes one of a few names: {field: (names, what they mean)}. Checked in one
+# place (`EngramConfig._check_choices`); the modules that implement an option trust it (the
+# table optimizers: training/engram_optimizer.TABLE_OPTIMIZER_BUILDERS).
+CHOICES = {
+    "engram_embedding_parallel_method": (
+        EMBEDDING_PARALLEL_METHODS,
+        "'alltoall' shards the tables over the Engram embedding-parallel group, 'allreduce' "
+        "over the tensor-parallel group (docs/embedding-parallel.md)"),
+    "engram_optimizer": (
+        TABLE_OPTIMIZERS,
+        "'sparse_adam' (row-wise, cost follows the tokens) or 'adam' (dense, cost follows the "
+        "table)"),
+    "engram_table_dtype": (
+        tuple(ENGRAM_TABLE_DTYPES),
+        "fp32 (default) or bf16 tables with float32 optimizer masters; fp16 tables are not "
+        "supported"),
+    "engram_table_placement": (
+        TABLE_PLACEMENTS,
+        "'device' keeps the tables with the model, 'host' keeps them (and their optimizer "
+        "state) in host memory"),
+    "engram_value_init": (
+        ENGRAM_VALUE_INITS,
+        "'zero' starts the value projection at zero (the model keeps its function at step 0)"),
+}
 
 _BOOL_FIELDS = (
     "use_engram",
@@ -118,6 +146,11 @@ class EngramConfig:
     engram_init_std: float = 0.02
     """Std of the normal init of Engram tables and projections."""
 
+    engram_value_init: str = "normal"
+    """Init of Engram's value projection: 'normal' (N(0, engram_init_std^2)) or 'zero': the branch
+    then adds nothing at step 0, so Engram added to a trained model starts from its function
+    (docs/huggingface.md, continued pretraining)."""
+
     engram_table_dtype: str = "fp32"
     """Storage dtype of the Engram tables: 'fp32' or 'bf16' (the optimizer keeps float32
     master rows for bf16 tables). The Engram projections, norms and conv follow the model's
@@ -183,14 +216,14 @@ class EngramConfig:
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool (True/False), got {value!r}.")
         for name in _INT_FIELDS:
-            _require_int(name, getattr(self, name))
+            require_int(name, getattr(self, name))
         for name in _INT_LIST_FIELDS:
             value = getattr(self, name)
             if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
                 # OmegaConf ListConfig is a Sequence; a bare int is the common mistake.
                 raise TypeError(f"{name} must be a list of ints, got {value!r}.")
             for item in value:
-                _require_int(name, item, element=True)
+                require_int(name, item, element=True)
             ints = [int(v) for v in value]
             # Layer ids are kept sorted: table primes are handed out layer by layer in this
             # order, so [3, 1] and [1, 3] build the same tables (and load the same checkpoints).
@@ -201,10 +234,10 @@ class EngramConfig:
                 raise TypeError(f"{name} must be a number, got {value!r}.")
             setattr(self, name, float(value))
         if self.engram_eos_id is not None:
-            _require_int("engram_eos_id", self.engram_eos_id)
+            require_int("engram_eos_id", self.engram_eos_id)
         if self.engram_hc_mult is None:
             self.engram_hc_mult = 1  # a megatron config resolved it from the backbone first
-        _require_int("engram_hc_mult", self.engram_hc_mult)
+        require_int("engram_hc_mult", self.engram_hc_mult)
         path = self.engram_tokenizer_name_or_path
         if path is not None:
             if not isinstance(path, (str, os.PathLike)):
@@ -212,24 +245,34 @@ class EngramConfig:
                     f"engram_tokenizer_name_or_path must be a path string, got {path!r}."
                 )
             self.engram_tokenizer_name_or_path = os.fspath(path)
-        if not isinstance(self.engram_optimizer, str):
-            raise TypeError(
-                f"engram_optimizer must be a string, one of {TABLE_OPTIMIZERS}, "
-                f"got {self.engram_optimizer!r}."
-            )
-        if self.engram_table_dtype not in ENGRAM_TABLE_DTYPES:
+        self._check_choices(values=False)
+
+    def _check_choices(self, values: bool) -> None:
+        """Every `CHOICES` field is a name (always), one of its names (``values``)."""
+        for name, (allowed, meaning) in CHOICES.items():
+            value = getattr(self, name)
+            if not isinstance(value, str):
+                raise TypeError(f"{name} must be a string, one of {allowed}, got {value!r}.")
+            if values and value not in allowed:
+                raise ValueError(f"{name}={value!r} must be one of {allowed}: {meaning}.")
+
+    def _check_layer_ids(self) -> None:
+        ids = self.engram_layer_ids
+        if not ids:
             raise ValueError(
-                f"engram_table_dtype={self.engram_table_dtype!r} must be one of "
-                f"{ENGRAM_TABLE_DTYPES}: fp32 (default) or bf16 tables with float32 optimizer "
-                "masters; fp16 tables are not supported."
+                "engram_layer_ids is empty: list the layers to augment, or set use_engram=False."
             )
-        if not isinstance(self.engram_embedding_parallel_method, str):
-            raise TypeError(
-                "engram_embedding_parallel_method must be a string, one of "
-                f"{EMBEDDING_PARALLEL_METHODS}, got {self.engram_embedding_parallel_method!r}."
+        negative = [i for i in ids if i < 0]
+        if negative:
+            raise ValueError(
+                f"engram_layer_ids {negative} are negative: use 0-based global layer numbers."
             )
+        duplicates = sorted({i for i in ids if ids.count(i) > 1})
+        if duplicates:
+            raise ValueError(f"engram_layer_ids repeats {duplicates}: list each layer once.")
 
     def _check_engram_values(self) -> None:
+        self._check_choices(values=True)
         n = self.max_ngram_size
         if n < 2:
             raise ValueError(
@@ -253,19 +296,7 @@ class EngramConfig:
                 f"n_head_per_ngram={self.n_head_per_ngram}: each head's row width is "
                 "n_embed_per_ngram // n_head_per_ngram."
             )
-        ids = self.engram_layer_ids
-        if not ids:
-            raise ValueError(
-                "engram_layer_ids is empty: list the layers to augment, or set use_engram=False."
-            )
-        negative = [i for i in ids if i < 0]
-        if negative:
-            raise ValueError(
-                f"engram_layer_ids {negative} are negative: use 0-based global layer numbers."
-            )
-        duplicates = sorted({i for i in ids if ids.count(i) > 1})
-        if duplicates:
-            raise ValueError(f"engram_layer_ids repeats {duplicates}: list each layer once.")
+        self._check_layer_ids()
         if self.engram_pad_id < 0:
             raise ValueError(f"engram_pad_id={self.engram_pad_id} must be a raw token id >= 0.")
         if self.engram_seed < 0:
@@ -283,24 +314,7 @@ class EngramConfig:
                 "engram_embedding_parallel_size="
                 f"{self.engram_embedding_parallel_size} must be >= 1."
             )
-        method = self.engram_embedding_parallel_method
-        if method not in EMBEDDING_PARALLEL_METHODS:
-            raise ValueError(
-                f"engram_embedding_parallel_method={method!r} is unknown: use one of "
-                f"{EMBEDDING_PARALLEL_METHODS}."
-            )
-        if self.engram_table_placement not in TABLE_PLACEMENTS:
-            raise ValueError(
-                f"engram_table_placement={self.engram_table_placement!r} must be one of "
-                f"{TABLE_PLACEMENTS}: 'device' keeps the tables with the model, 'host' keeps "
-                "them (and their optimizer state) in host memory."
-            )
-        if self.engram_optimizer not in TABLE_OPTIMIZERS:
-            raise ValueError(
-                f"engram_optimizer={self.engram_optimizer!r} is unknown: use 'sparse_adam' "
-                "(row-wise, cost follows the tokens) or 'adam' (dense, cost follows the table)."
-            )
-        if method == "allreduce" and self.engram_embedding_parallel_size != 1:
+        if self.engram_embedding_parallel_method == "allreduce" and self.engram_embedding_parallel_size != 1:
             raise ValueError(
                 "engram_embedding_parallel_size only applies to engram_embedding_parallel_method="
                 "'alltoall'; 'allreduce' shards the tables over the tensor-parallel group: set "
@@ -328,12 +342,6 @@ class EngramConfig:
             raise ValueError(f"engram_init_std={self.engram_init_std} must be > 0.")
 
 
-def _require_int(name: str, value: Any, element: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        what = "entries" if element else "value"
-        raise TypeError(f"{name} {what} must be int, got {value!r}.")
-
-
 # -- composition with megatron-core ---------------------------------------------------------
 
 _COMPOSED = {
@@ -342,104 +350,17 @@ _COMPOSED = {
 }
 
 
-@dataclass
-class HyperConnectionConfig:
-    """mHC fields of the backbone (``docs/mhc.md``), under upstream megatron-core's names (it
-    adds them after 0.19), so that a config written for upstream means the same here."""
-
-    enable_hyper_connections: bool = False
-    """Multi-stream residual (DeepSeek's mHC): every attention and MLP/MoE sublayer reads and
-    writes `num_residual_streams` streams through learned mappings."""
-
-    num_residual_streams: int = 4
-    """n: residual streams with mHC on (DeepSeek: 4)."""
-
-    mhc_sinkhorn_iterations: int = 20
-    """Sinkhorn iterations that make the stream-mixing matrix doubly stochastic."""
-
-    mhc_init_gating_factor: float = 0.01
-    """Initial `scale` of the mappings (0: the mappings start as constants, and an n-stream
-    model without Engram computes the single-stream model's function)."""
-
-
-def _check_hyper_connections(config) -> None:
-    """mHC rules, and `engram_hc_mult` resolved from the backbone (before Engram's checks)."""
-    if not isinstance(config.enable_hyper_connections, bool):
-        raise TypeError(
-            f"enable_hyper_connections must be a bool, got {config.enable_hyper_connections!r}."
-        )
-    for name in ("num_residual_streams", "mhc_sinkhorn_iterations"):
-        _require_int(name, getattr(config, name))
-    value = config.mhc_init_gating_factor
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"mhc_init_gating_factor must be a number, got {value!r}.")
-    config.mhc_init_gating_factor = float(value)
-    streams = config.num_residual_streams if config.enable_hyper_connections else 1
-    hc_mult = config.engram_hc_mult
-    if config.enable_hyper_connections:
-        if config.num_residual_streams < 2:
-            raise ValueError(
-                f"num_residual_streams={config.num_residual_streams} must be >= 2 with "
-                "enable_hyper_connections=true (DeepSeek uses 4); or set "
-                "enable_hyper_connections: false"
-            )
-        if config.mhc_sinkhorn_iterations < 1:
-            raise ValueError(
-                f"mhc_sinkhorn_iterations={config.mhc_sinkhorn_iterations} must be >= 1 (20)."
-            )
-        if config.mhc_init_gating_factor < 0:
-            raise ValueError(
-                f"mhc_init_gating_factor={config.mhc_init_gating_factor} must be >= 0 (0.01)."
-            )
-        if getattr(config, "mtp_num_layers", None):
-            raise ValueError(
-                "enable_hyper_connections=true with mtp_num_layers: multi-token prediction "
-                "layers take a single-stream input; set mtp_num_layers: null"
-            )
-        if config.context_parallel_size > 1:
-            raise ValueError(
-                "enable_hyper_connections=true with context_parallel_size="
-                f"{config.context_parallel_size}: mHC is not supported with context "
-                "parallelism yet; set context_parallel_size: 1"
-            )
-        if (config.recompute_granularity == "selective"
-                and "layernorm" in (config.recompute_modules or [])):
-            raise ValueError(
-                "enable_hyper_connections=true with recompute_modules containing 'layernorm': "
-                "the mHC layer does not recompute its norms; drop 'layernorm' (core_attn, mlp, "
-                "moe and the other modules are recomputed as usual)"
-            )
-        if getattr(config, "cuda_graph_impl", "none") not in (None, "none"):
-            raise ValueError(
-                f"enable_hyper_connections=true with cuda_graph_impl={config.cuda_graph_impl!r}: "
-                "CUDA graphs of the mHC layer are not supported; set cuda_graph_impl: none"
-            )
-        if hc_mult is not None and hc_mult != streams:
-            raise ValueError(
-                f"engram_hc_mult={hc_mult} differs from num_residual_streams={streams}: the "
-                "Engram branch reads and writes every residual stream. Leave engram_hc_mult "
-                f"unset (null: it follows the backbone) or set it to {streams}"
-            )
-    elif hc_mult is not None and hc_mult != 1 and config.use_engram:
-        raise ValueError(
-            f"engram_hc_mult={hc_mult} needs a multi-stream backbone: set "
-            f"enable_hyper_connections: true and num_residual_streams: {hc_mult}, or leave "
-            "engram_hc_mult unset (null) / 1 for the single-stream backbone"
-        )
-    if hc_mult is None:
-        config.engram_hc_mult = streams
-
-
 def _check_megatron_backbone(config) -> None:
     """Engram settings a megatron GPT backbone cannot honour. The standalone `EngramConfig`
     (the reference module, export) accepts them; a megatron config refuses them here, once,
     for the trainer and library users alike."""
     if not config.use_engram:
         return
-    if config.context_parallel_size > 1:
+    if config.context_parallel_size > 1 and getattr(config, "hybrid_context_parallel", False):
         raise ValueError(
-            "Engram's short conv and n-gram windows span the sequence, which context parallelism "
-            f"splits (context_parallel_size={config.context_parallel_size}); set it to 1"
+            "hybrid_context_parallel=true with use_engram=True: Engram's conv halo follows "
+            "megatron's zigzag split (get_batch_on_this_cp_rank), not hybrid CP's packing; set "
+            "hybrid_context_parallel: false"
         )
     if config.fp16:
         raise ValueError(
@@ -455,7 +376,7 @@ def _compose(name: str, megatron_cls: type) -> type:
 
     def __post_init__(self) -> None:
         megatron_cls.__post_init__(self)
-        _check_hyper_connections(self)
+        check_hyper_connections(self)
         EngramConfig.__post_init__(self)
         self.validate_num_layers(self.num_layers)
         self.validate_hidden_size(self.hidden_size)
@@ -492,3 +413,10 @@ if TYPE_CHECKING:  # pragma: no cover - static view of the lazily built classes
 
     @dataclass
     class EngramMLATransformerConfig(MLATransformerConfig, EngramConfig, HyperConnectionConfig): ...
+
+
+def engram_table_dtype(config):
+    """torch dtype of the Engram tables a validated config names (``engram_table_dtype``)."""
+    import torch
+
+    return getattr(torch, ENGRAM_TABLE_DTYPES[config.engram_table_dtype])

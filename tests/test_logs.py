@@ -64,7 +64,8 @@ with initialize_config_dir(config_dir=sys.argv[1], version_base=None):
 try:
     t.check(cfg)
 except ConfigError as e:
-    heavy = [m for m in ("engram_train.checkpointing", "megatron.core.dist_checkpointing",
+    heavy = [m for m in ("engram_train.checkpoint.save", "engram_train.checkpoint.load",
+                         "megatron.core.dist_checkpointing",
                          "megatron.core.datasets") if m in sys.modules]
     print("HEAVY", heavy)
 """

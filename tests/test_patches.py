@@ -33,6 +33,7 @@ EXPECTED_FIXES = {
         "distopt_shared_torch_adam_step",
         "blended_dataset_without_process_group",
         "mhc_pipeline_shapes",
+        "embedded_common_state",
     ],
     "0.19.2": [
         "distopt_torch_adam_step_on_load",

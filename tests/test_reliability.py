@@ -123,7 +123,7 @@ def test_identity_adding_engram_needs_the_switch(saved_identity):
 
 
 def _scheduler(cfg, samples=0):
-    from engram_train.train import lr_scheduler
+    from engram_train.training.plan import lr_scheduler
 
     opt = types.SimpleNamespace(param_groups=[{"lr": 0.0}])
     scheduler = lr_scheduler(cfg, opt)
@@ -194,7 +194,7 @@ def test_schedule_flags_are_exclusive():
 
 
 def test_unwritable_directories_fail_before_training(tmp_path):
-    from engram_train.train import check
+    from engram_train.training.plan import check
     from engram_train.training.run_config import ConfigError
 
     blocker = tmp_path / "a_file"
@@ -211,7 +211,7 @@ def test_unwritable_directories_fail_before_training(tmp_path):
 
 
 def test_fresh_start_refuses_to_overwrite_checkpoints(tmp_path):
-    from engram_train.train import check
+    from engram_train.training.plan import check
     from engram_train.training.run_config import ConfigError
 
     save = tmp_path / "ckpt"
@@ -358,7 +358,7 @@ def _alive(pid: int) -> bool:
 
 
 def test_failed_plot_is_a_warning(tmp_path, caplog):
-    from engram_train.train import finish
+    from engram_train.training.loop import finish
 
     job = types.SimpleNamespace(is_logger=True, exp_dir=tmp_path)  # no metrics.jsonl to plot
     with caplog.at_level(logging.WARNING, logger="engram_train"):

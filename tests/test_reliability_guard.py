@@ -74,7 +74,7 @@ def test_nonfinite_steps_open_a_streak_and_are_not_window_values():
 
 
 def test_guard_keys_are_validated_and_the_guard_can_be_switched_off():
-    from engram_train.train import check
+    from engram_train.training.plan import check
     from engram_train.training.divergence import guard_from_config
     from engram_train.training.run_config import ConfigError
 
@@ -94,8 +94,8 @@ def test_guard_keys_are_validated_and_the_guard_can_be_switched_off():
 
 
 def test_retract_sets_checkpoints_aside_and_moves_the_tracker(tmp_path):
-    from engram_train.checkpointing import TRACKER, latest_iteration, list_checkpoints, remove_leftovers
-    from engram_train.checkpointing import retract_checkpoints
+    from engram_train.checkpoint import TRACKER, latest_iteration, list_checkpoints, remove_leftovers
+    from engram_train.checkpoint import retract_checkpoints
 
     for i in (1, 2, 3, 4):
         (tmp_path / f"iter_{i:07d}").mkdir()
@@ -120,7 +120,7 @@ def test_retract_sets_checkpoints_aside_and_moves_the_tracker(tmp_path):
 
 
 def test_input_errors_found_while_hashing_are_config_errors(tmp_path):
-    from engram_train.train import check
+    from engram_train.training.plan import check
     from engram_train.training.run_config import ConfigError
 
     exp = f"experiment.exp_dir={tmp_path}"

@@ -91,7 +91,7 @@ def test_short_run_without_evaluation_finishes_with_a_plot(base):
     assert [r["iteration"] for r in read_metrics(exp)] == [4]  # the final iteration is logged
     assert (exp / "loss.png").stat().st_size > 1000
     assert (ckpt / TRACKER).read_text() == "4"
-    from engram_train.checkpointing import check_checkpoint
+    from engram_train.checkpoint import check_checkpoint
 
     for it in (2, 4):
         assert check_checkpoint(ckpt / f"iter_000000{it}") == []
@@ -105,7 +105,7 @@ def test_short_run_without_evaluation_finishes_with_a_plot(base):
 
 
 def test_resume_mismatches_fail_before_any_process_group(base):
-    from engram_train.train import check
+    from engram_train.training.plan import check
     from engram_train.training.run_identity import ResumeMismatchError
 
     _, _, ckpt, _ = base
@@ -131,7 +131,7 @@ def test_resume_lists_every_mismatch_at_once(base):
     """Adding Engram's switch and a longer schedule in one relaunch: the identity and the
     schedule are both reported, with the overrides that accept them together; a shape change
     among them leaves no such line (it cannot be accepted)."""
-    from engram_train.train import check
+    from engram_train.training.plan import check
     from engram_train.training.run_identity import ResumeMismatchError
 
     _, _, ckpt, _ = base
@@ -166,8 +166,8 @@ def test_resume_at_the_final_iteration_says_so_and_exits_0(base):
 
 
 def test_truncated_and_overwritten_shards_are_named(base, tmp_path):
-    from engram_train.checkpointing import DamagedCheckpointError, select_checkpoint
-    from engram_train.train import check
+    from engram_train.checkpoint import DamagedCheckpointError, select_checkpoint
+    from engram_train.training.plan import check
 
     _, _, ckpt, _ = base
     for mode in ("truncate", "overwrite"):
@@ -194,8 +194,8 @@ def test_truncated_and_overwritten_shards_are_named(base, tmp_path):
 def test_adding_engram_to_a_checkpoint_without_it(tmp_path):
     """Saved without Engram under data parallel 2; refused with Engram unless switched on;
     with checkpoint.load_engram=false resumed with Engram under tensor parallel 2."""
-    from engram_train.checkpointing import check_checkpoint
-    from engram_train.train import check
+    from engram_train.checkpoint import check_checkpoint
+    from engram_train.training.plan import check
     from engram_train.training.run_identity import ResumeMismatchError
 
     base, engram = tmp_path / "base", tmp_path / "engram"
@@ -237,7 +237,7 @@ def test_damaged_newest_checkpoint_falls_back_and_schedule_override_is_followed(
     assert f"passing over damaged checkpoint {ckpt / 'iter_0000004'}" in proc.output
     assert f"{shard}: contents changed since the save" in proc.output
     assert f"resumed from {ckpt / 'iter_0000002'} at iteration 2" in proc.output
-    from engram_train.checkpointing import check_checkpoint
+    from engram_train.checkpoint import check_checkpoint
 
     for it in (2, 4, 6, 8):
         assert check_checkpoint(ckpt / f"iter_000000{it}") == []
@@ -286,7 +286,7 @@ def test_nonfinite_steps_stop_the_run_without_saving(tmp_path):
 def check_set_aside(ckpt: Path, output: str, first_abnormal: int, saved) -> None:
     """Checkpoints from iteration first_abnormal - 1 on are renamed *.diverged, the tracker names
     the newest one below (or is gone), and the message offers that one."""
-    from engram_train.checkpointing import check_checkpoint
+    from engram_train.checkpoint import check_checkpoint
 
     good = [i for i in saved if i < first_abnormal - 1]
     aside = [i for i in saved if i >= first_abnormal - 1]
@@ -428,7 +428,7 @@ def test_sigterm_saves_then_exits_and_resume_finds_the_newest_without_tracker(ba
     assert "received SIGTERM: saved iteration" in out
     stopped = int((ckpt / TRACKER).read_text())
     assert stopped >= 6
-    from engram_train.checkpointing import check_checkpoint
+    from engram_train.checkpoint import check_checkpoint
 
     assert check_checkpoint(ckpt / f"iter_{stopped:07d}") == []
     assert {it: manifest_digest(ckpt / f"iter_000000{it}") for it in (2, 4)} == before  # untouched
@@ -496,7 +496,7 @@ def test_kill_rank0_during_save_leaves_no_process(tmp_path):
             os.kill(pid, signal.SIGKILL)
     assert {w.pid for w in writers} <= job
     assert left == [], survivors
-    from engram_train.checkpointing import check_checkpoint, read_tracker
+    from engram_train.checkpoint import check_checkpoint, read_tracker
 
     latest = read_tracker(ckpt)
     if latest is not None:
@@ -512,7 +512,7 @@ ENOSPC_SCRIPT = textwrap.dedent("""
     rm -rf {mnt}/ckpt
     {cmd} checkpoint.check_free_space=false > {out}/unchecked.log 2>&1; echo "unchecked_rc=$?" >> {out}/rc
     ls -a {mnt}/ckpt > {out}/listing; cat {mnt}/ckpt/latest_checkpointed_iteration.txt > {out}/tracker
-    {python} -c "from engram_train.checkpointing import check_checkpoint as c; print(c('{mnt}/ckpt/iter_0000002'))" \\
+    {python} -c "from engram_train.checkpoint import check_checkpoint as c; print(c('{mnt}/ckpt/iter_0000002'))" \\
         > {out}/problems
 """)
 

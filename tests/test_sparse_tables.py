@@ -200,3 +200,11 @@ def test_a_sparse_step_allocates_nothing_of_the_table_size(sparse):
         assert peak < shard_bytes / 100, peak
     else:
         assert peak >= shard_bytes
+
+
+def test_every_table_optimizer_the_config_accepts_has_one_implementation():
+    """One registry: the names config validation accepts are exactly the implemented ones."""
+    from engram_train.config import TABLE_OPTIMIZERS
+    from engram_train.training.engram_optimizer import TABLE_OPTIMIZER_BUILDERS
+
+    assert set(TABLE_OPTIMIZER_BUILDERS) == set(TABLE_OPTIMIZERS)

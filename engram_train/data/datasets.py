@@ -176,6 +176,44 @@ def parse_blend(data_path) -> tuple[list[str], list[float] | None]:
     return [os.fspath(p) for p in items], None
 
 
+def _check_blend(data_path, split: str, num_samples: list) -> tuple[list, list | None]:
+    """The blend's (prefixes, weights), each prefix present and every split with a share
+    given at least one of its documents (megatron-core 0.16.1 loops forever otherwise)."""
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix,
+        parse_and_normalize_split,
+    )
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    try:
+        shares = parse_and_normalize_split(split)
+    except (AssertionError, ZeroDivisionError, ValueError):
+        raise ValueError(
+            f"split must be three non-negative shares like '949,50,1', got {split!r}."
+        ) from None
+    prefixes, weights = parse_blend(data_path)
+    for prefix in prefixes:
+        if not IndexedDataset.exists(prefix):
+            raise FileNotFoundError(
+                f"data path: no dataset at prefix '{prefix}' (needs {prefix}.bin and {prefix}.idx); "
+                "create one with engram-preprocess."
+            )
+        n_docs = len(IndexedDataset(prefix).sequence_lengths)
+        for name, span in zip(
+            ("train", "valid", "test"), convert_split_vector_to_split_matrix(shares)
+        ):
+            if span is not None and int(round(span[1] * n_docs)) == int(round(span[0] * n_docs)):
+                raise ValueError(
+                    f"split {split!r} gives the {name} split no document of '{prefix}' "
+                    f"({n_docs} documents); give that split a larger share, or 0 to drop it."
+                )
+    if weights is not None and any(
+        share > 0 and n is None for share, n in zip(shares, num_samples)
+    ):
+        raise ValueError("a weighted blend needs num_samples for every split with a nonzero share.")
+    return prefixes, weights
+
+
 def build_gpt_datasets(
     data_path,
     tokenizer,
@@ -213,45 +251,14 @@ def build_gpt_datasets(
     from megatron.core.datasets.blended_megatron_dataset_builder import (
         BlendedMegatronDatasetBuilder,
     )
-    from megatron.core.datasets.blended_megatron_dataset_config import (
-        convert_split_vector_to_split_matrix,
-        parse_and_normalize_split,
-    )
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     if seq_length <= 0:
         raise ValueError(f"seq_length must be positive, got {seq_length}.")
     num_samples = list(num_samples)
     if len(num_samples) != 3:
         raise ValueError(f"num_samples must be (train, valid, test), got {num_samples!r}.")
-    try:
-        shares = parse_and_normalize_split(split)
-    except (AssertionError, ZeroDivisionError, ValueError):
-        raise ValueError(
-            f"split must be three non-negative shares like '949,50,1', got {split!r}."
-        ) from None
-    prefixes, weights = parse_blend(data_path)
-    for prefix in prefixes:
-        if not IndexedDataset.exists(prefix):
-            raise FileNotFoundError(
-                f"data path: no dataset at prefix '{prefix}' (needs {prefix}.bin and {prefix}.idx); "
-                "create one with engram-preprocess."
-            )
-        # megatron 0.16.1 loops forever on a split that gets no document: refuse it here.
-        n_docs = len(IndexedDataset(prefix).sequence_lengths)
-        for name, span in zip(
-            ("train", "valid", "test"), convert_split_vector_to_split_matrix(shares)
-        ):
-            if span is not None and int(round(span[1] * n_docs)) == int(round(span[0] * n_docs)):
-                raise ValueError(
-                    f"split {split!r} gives the {name} split no document of '{prefix}' "
-                    f"({n_docs} documents); give that split a larger share, or 0 to drop it."
-                )
-    if weights is not None and any(
-        share > 0 and n is None for share, n in zip(shares, num_samples)
-    ):
-        raise ValueError("a weighted blend needs num_samples for every split with a nonzero share.")
+    prefixes, weights = _check_blend(data_path, split, num_samples)
 
     # megatron-core < 0.18 cannot build a weighted blend without a process group.
     apply_patches(DATASET_PATCHES)

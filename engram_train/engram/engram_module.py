@@ -13,25 +13,13 @@ import math
 import torch
 from torch import nn
 
+from engram_train.config import engram_table_dtype
 from engram_train.engram.tables import MultiHeadEmbedding, mark_engram_param
 from engram_train.engram.ngram_hash import engram_head_vocab_sizes
 
 GATE_NORM_EPS = torch.finfo(torch.float32).eps  # key/query RMSNorms, as the reference
 CONV_NORM_EPS = 1e-5  # ShortConv's RMSNorms
 GATE_SCORE_FLOOR = 1e-6
-TABLE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def engram_table_dtype(config) -> torch.dtype:
-    """torch dtype of the Engram tables named by ``config.engram_table_dtype`` (default fp32)."""
-    name = getattr(config, "engram_table_dtype", "fp32")
-    if name not in TABLE_DTYPES:
-        raise ValueError(
-            f"engram_table_dtype={name!r} must be one of {sorted(TABLE_DTYPES)}"
-        )
-    return TABLE_DTYPES[name]
-
-
 def per_stream_rms_norm(x: torch.Tensor, norms: nn.ModuleList) -> torch.Tensor:
     """``norms[g](x[:, :, g])`` for every stream g at once: x [S, B, G, d] -> [S, B, G, d]
     (one RMSNorm kernel and one weight multiply instead of G of each)."""
@@ -65,11 +53,19 @@ class ShortConv(nn.Module):
             return self.norms[0](x[:, :, 0])
         return per_stream_rms_norm(x, self.norms).reshape(seq, batch, streams * width)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [S, B, G, d] -> [S, B, G, d]."""
+    def forward(self, x: torch.Tensor, left_context: torch.Tensor | None = None) -> torch.Tensor:
+        """x [S, B, G, d] -> [S, B, G, d]. ``left_context`` [left_pad, B, G, d]: the conv input at
+        the positions just before x's first one (a split sequence's halo); None is the
+        reference's zero padding (an all-zero context normalizes to zero, the same thing)."""
         seq, batch, streams, width = x.shape
-        normed = self.normalize(x)
-        y = nn.functional.pad(normed.permute(1, 2, 0), (self.left_pad, 0))  # [B, G*d, pad+S]
+        if left_context is None:
+            normed = self.normalize(x)
+            y = nn.functional.pad(normed.permute(1, 2, 0), (self.left_pad, 0))  # [B, G*d, pad+S]
+        else:
+            if left_context.shape != (self.left_pad, *x.shape[1:]):
+                raise ValueError(f"left_context {tuple(left_context.shape)} must be "
+                                 f"[{self.left_pad}, B, G, d] for x {tuple(x.shape)}")
+            y = self.normalize(torch.cat([left_context, x])).permute(1, 2, 0)
         y = nn.functional.silu(self.conv(y))
         return y.permute(2, 0, 1).reshape(seq, batch, streams, width)
 
@@ -115,12 +111,7 @@ class Engram(nn.Module):
                 f"layer_id={layer_id} is not in engram_layer_ids={layer_ids}: add it there (the "
                 "table sizes depend on the whole list) or do not build Engram for this layer."
             )
-        n_heads = config.n_head_per_ngram
-        if config.n_embed_per_ngram % n_heads:
-            raise ValueError(
-                f"n_embed_per_ngram={config.n_embed_per_ngram} must be a multiple of "
-                f"n_head_per_ngram={n_heads}."
-            )
+        n_heads = config.n_head_per_ngram  # width rules: validated with the config
         self.layer_id = int(layer_id)
         self.hidden_size = int(hidden_size)
         self.hc_mult = int(config.engram_hc_mult)
@@ -146,7 +137,7 @@ class Engram(nn.Module):
             parallel=embedding_parallel,
             device=device,
             dtype=table_dtype,
-            placement=getattr(config, "engram_table_placement", "device"),
+            placement=config.engram_table_placement,
         )
         d, e, g = self.hidden_size, self.memory_dim, self.hc_mult
         self.value_proj = nn.Linear(e, d, **factory)
@@ -156,6 +147,7 @@ class Engram(nn.Module):
         self.short_conv = ShortConv(d, g, config.engram_kernel_size, self.max_ngram_size,
                                     **factory)
         self.zero_init_conv = zero_init_conv
+        self.value_init = getattr(config, "engram_value_init", "normal")
         self.reset_parameters(include_table=False)  # the table initialized itself
         for param in self.parameters():
             mark_engram_param(param)
@@ -166,6 +158,8 @@ class Engram(nn.Module):
         for linear in [self.value_proj, *self.key_projs]:
             linear.weight.normal_(0.0, self.init_std)
             linear.bias.zero_()
+        if self.value_init == "zero":  # the branch adds nothing until it has learned
+            self.value_proj.weight.zero_()
         for norm in [*self.norm1, *self.norm2, *self.short_conv.norms]:
             norm.reset_parameters()
         if self.zero_init_conv:
@@ -193,15 +187,23 @@ class Engram(nn.Module):
 
     def lookup(self, hash_ids: torch.Tensor) -> torch.Tensor:
         """Hash ids [S, B, K] (head-local, as NgramHashMapping gives) -> memory [S, B, E]."""
-        return self.multi_head_embedding(hash_ids)
+        return self.issue_lookup(hash_ids, prefetch=False).wait()
+
+    def issue_lookup(self, hash_ids: torch.Tensor, prefetch: bool = True):
+        """Start ``lookup`` early (the model's next-layer prefetch): ``wait()`` on the result
+        gives the memory, which ``forward(hidden, memory=...)`` takes."""
+        return self.multi_head_embedding.issue(hash_ids, prefetch=prefetch)
 
     def forward(
         self,
         hidden_states: torch.Tensor,
         hash_ids: torch.Tensor | None = None,
         memory: torch.Tensor | None = None,
+        halo=None,
     ) -> torch.Tensor:
-        """y with hidden's shape; give exactly one of `hash_ids` [S, B, K] or `memory` [S, B, E]."""
+        """y with hidden's shape; give exactly one of `hash_ids` [S, B, K] or `memory` [S, B, E].
+        ``halo`` (``parallel.context.SequenceHalo``): the rows are a split sequence's pieces; the
+        conv of each piece reads its left context from the ranks holding the positions before."""
         if (hash_ids is None) == (memory is None):
             raise ValueError("Engram.forward needs exactly one of hash_ids or memory.")
         if memory is None:
@@ -229,8 +231,16 @@ class Engram(nn.Module):
         score = score.abs().clamp_min(GATE_SCORE_FLOOR).sqrt() * score.sign()
         gate = score.sigmoid()  # [S, B, G, 1]
         value = gate * self.value_proj(memory).unsqueeze(2)  # one value projection, G gates
-        y = value + self.short_conv(value)
+        y = value + self._conv(value, halo)
         return y.squeeze(2) if hidden_states.ndim == 3 else y
+
+    def _conv(self, value: torch.Tensor, halo) -> torch.Tensor:
+        """The short conv over the sequence, or over each piece with its exchanged halo."""
+        if halo is None:
+            return self.short_conv(value)
+        pieces, left = halo.left_contexts(value)
+        return torch.cat([self.short_conv(value[start:end], left[k])
+                          for k, (start, end) in enumerate(pieces)])
 
     def _streams(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[S, B, d] (G == 1) or [S, B, G, d] -> [S, B, G, d], with a clear error otherwise."""

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from engram_train.engram.ngram_hash import head_offsets
-from engram_train.engram.host_table import make_host_resident
+from engram_train.engram.host_table import is_host_resident, make_host_resident
 from engram_train.engram.row_grad import gather_rows
 
 INIT_BLOCK_ROWS = 4096
@@ -110,7 +110,6 @@ class MultiHeadEmbedding(nn.Module):
         super().__init__()
         if placement not in ("device", "host"):
             raise ValueError(f"placement={placement!r} must be 'device' or 'host'.")
-        self.placement = placement
         self.head_sizes = [int(n) for n in head_sizes]
         self.num_heads = len(self.head_sizes)
         self.embedding_dim = int(embedding_dim)
@@ -143,10 +142,7 @@ class MultiHeadEmbedding(nn.Module):
         if on_host:
             make_host_resident(self.weight)
         mark_engram_param(self.weight, table=True)
-        self.weight.engram_parallel = parallel
-        self.weight.engram_layer_id = self.layer_id
-        self.weight.engram_row_range = (self.row_start, self.row_end)
-        self.weight.engram_num_rows = self.num_rows
+        self.weight.engram_layer_id = self.layer_id  # named in the table optimizer's errors
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -160,7 +156,7 @@ class MultiHeadEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         method = f", method={self.parallel.method}" if self.parallel is not None else ""
-        method += ", host-resident" if self.placement == "host" else ""
+        method += ", host-resident" if is_host_resident(self.weight) else ""
         return (
             f"layer_id={self.layer_id}, heads={self.num_heads}, dim={self.embedding_dim}, "
             f"rows=[{self.row_start}, {self.row_end}) of {self.num_rows}{method}"
@@ -196,19 +192,18 @@ class MultiHeadEmbedding(nn.Module):
         return values.index_select(0, inverse).view(*rows.shape, self.embedding_dim)
 
     def forward(self, hash_ids: torch.Tensor) -> torch.Tensor:
-        rows = self.table_rows(hash_ids)
-        if self.parallel is not None:
-            return self.parallel.lookup(self, rows).flatten(-2)
-        return self.lookup_rows(rows).flatten(-2)
+        """Hash ids [..., K] -> memory [..., K * D] (``issue`` waited at once)."""
+        return self.issue(hash_ids, prefetch=False).wait()
 
-    def issue(self, hash_ids: torch.Tensor):
-        """Start this lookup early (the next-layer prefetch): returns an object whose
-        ``wait()`` gives ``forward(hash_ids)``, the same values bit for bit. Sharded tables send
-        their rows asynchronously in between; a full local table is read right away."""
+    def issue(self, hash_ids: torch.Tensor, prefetch: bool = True):
+        """Start this lookup (the next-layer prefetch): returns an object whose ``wait()``
+        gives the memory [..., K * D], the same values bit for bit whenever it is waited.
+        Sharded tables send their rows asynchronously in between (with ``prefetch``); a full
+        local table is read right away."""
         rows = self.table_rows(hash_ids)
         if self.parallel is None:
             return _Ready(self.lookup_rows(rows).flatten(-2))
-        return _Flattened(self.parallel.issue(self, rows))
+        return _Flattened(self.parallel.issue(self, rows, prefetch=prefetch))
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
         """megatron dist_checkpointing view: the table as one ShardedTensor over its global rows
@@ -225,7 +220,7 @@ class MultiHeadEmbedding(nn.Module):
             raise ValueError(
                 f"Engram table of layer {self.layer_id} got sharded offsets {sharded_offsets}: "
                 "Engram layers are not homogeneous, build the model's sharded state dict with "
-                "metadata={'non_homogeneous_layers': True} (engram_train.checkpointing does)."
+                "metadata={'non_homogeneous_layers': True} (engram_train.checkpoint.state does)."
             )
         metadata = ensure_metadata_has_dp_cp_group(metadata)
         tp_group, dp_cp_group = _tensor_parallel_group(), metadata["dp_cp_group"]

@@ -123,7 +123,10 @@ class DistCheckpointReader:
         """The non-sharded state (``iteration``, ``extra``...): ``common.pt`` (megatron-core
         0.16) or the object embedded in the torch_dist files (0.19); None if there is none or
         it cannot be read without unpickling arbitrary objects."""
-        from engram_train.checkpointing import embedded_common_state_key, read_embedded_common_state
+        from engram_train.runtime.megatron_fixes import (
+            embedded_common_state_key,
+            read_embedded_common_state,
+        )
 
         path = self.path / COMMON_STATE
         try:

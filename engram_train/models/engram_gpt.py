@@ -21,24 +21,12 @@ within the step: same rows).
 
 from __future__ import annotations
 
-from typing import Mapping
-
 import torch
 from megatron.core.models.gpt.gpt_model import GPTModel
 
 
-def stack_hash_ids(
-    hash_ids: Mapping[int, torch.Tensor] | torch.Tensor, layer_ids: list[int]
-) -> torch.Tensor:
-    """The ``[L, B, S, K]`` block; a ``{layer_id: [B, S, K]}`` dict is stacked in
-    ``layer_ids`` order (one copy), a tensor is checked and passed through."""
-    if isinstance(hash_ids, Mapping):
-        missing = [layer for layer in layer_ids if layer not in hash_ids]
-        if missing:
-            raise ValueError(
-                f"engram_hash_ids has no ids for Engram layers {missing} (has {sorted(hash_ids)})"
-            )
-        hash_ids = torch.stack([torch.as_tensor(hash_ids[layer]) for layer in layer_ids])
+def check_hash_ids(hash_ids: torch.Tensor, layer_ids: list[int]) -> torch.Tensor:
+    """The ``[L, B, S, K]`` int64 block, checked (one slice per Engram layer)."""
     if hash_ids.ndim != 4 or hash_ids.shape[0] != len(layer_ids):
         raise ValueError(
             f"engram_hash_ids must be [{len(layer_ids)}, B, S, K] (one slice per Engram layer, "
@@ -81,7 +69,7 @@ class EngramGPTModel(GPTModel):
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor,
         *args,
-        engram_hash_ids: Mapping[int, torch.Tensor] | torch.Tensor | None = None,
+        engram_hash_ids: torch.Tensor | None = None,
         extra_block_kwargs: dict | None = None,
         **kwargs,
     ):
@@ -91,8 +79,15 @@ class EngramGPTModel(GPTModel):
                 raise ValueError(
                     "EngramGPTModel needs input_ids or engram_hash_ids on every pipeline stage"
                 )
+            if self.config.context_parallel_size > 1:
+                raise ValueError(
+                    "context_parallel_size > 1 needs engram_hash_ids from the data path: n-grams "
+                    "at a chunk's first positions need the tokens of the chunk before it, so the "
+                    "ids are hashed on the whole sequence and split with the tokens "
+                    "(engram_train.parallel.context.context_parallel_batch)"
+                )
             engram_hash_ids = self.hash_mapping.hash_stacked(input_ids)  # one copy back
-        block = stack_hash_ids(engram_hash_ids, layer_ids)
+        block = check_hash_ids(engram_hash_ids, layer_ids)
         if input_ids is not None and tuple(block.shape[1:3]) != tuple(input_ids.shape):
             raise ValueError(
                 f"engram_hash_ids {tuple(block.shape)} do not match input_ids "

@@ -21,18 +21,16 @@ from dataclasses import dataclass, field
 from typing import Optional, Union
 
 import torch
-from megatron.core.tensor_parallel.mappings import (
-    gather_from_sequence_parallel_region,
-    scatter_to_sequence_parallel_region,
-)
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-from engram_train.engram.engram_module import engram_table_dtype
+from engram_train.config import engram_table_dtype
 from engram_train.models.hyper_connection_layer import (
     HyperConnectionTransformerLayer,
+    mark_sequence_parallel,
     split_streams,
 )
+from engram_train.parallel.context import sequence_halo
 from engram_train.parallel.lookup import engram_embedding_parallel
 
 
@@ -67,23 +65,27 @@ class EngramTransformerLayer(TransformerLayer):
             dtype=config.params_dtype,
             table_dtype=engram_table_dtype(config),
         )
+        # A split sequence (context parallel, or sequence parallel over TP): each rank runs the
+        # branch on its own positions, the conv's left context comes from the halo.
+        self.engram_halo = sequence_halo(
+            config, (config.engram_kernel_size - 1) * config.max_ngram_size,
+            tp_group=self.pg_collection.tp, cp_group=getattr(self.pg_collection, "cp", None))
+        self.sequence_split = bool(config.sequence_parallel) and self.pg_collection.tp.size() > 1
+        if self.sequence_split:  # partial gradients per TP slice: megatron sums them over TP
+            for name, module in self.engram.named_children():
+                if name != "multi_head_embedding":
+                    mark_sequence_parallel(module, True)
 
     def engram_branch(self, hidden_states: torch.Tensor, hash_ids: torch.Tensor,
                       memory: torch.Tensor | None = None) -> torch.Tensor:
         """Engram output for this rank's hidden slice (``memory``: rows already fetched).
 
-        With sequence parallelism the hidden states are split over TP along the sequence, but
-        the short conv reads neighbouring positions: gather the full sequence (backward: take
-        this rank's slice, since every TP rank computes the same branch), run Engram, keep
-        this rank's slice.
+        Under context parallelism the rank holds its zigzag chunks, with sequence parallelism
+        also only its TP slice of them: the branch runs on exactly these positions (their own
+        ids, their own rows), and the conv takes the positions before each piece from the
+        halo (``parallel/context.py``), so no TP rank repeats another's work.
         """
         ids = dict(hash_ids=hash_ids) if memory is None else dict(memory=memory)
-        if self.config.sequence_parallel and self.pg_collection.tp.size() > 1:
-            tp = self.pg_collection.tp
-            full = gather_from_sequence_parallel_region(
-                hidden_states, tensor_parallel_output_grad=False, group=tp
-            )
-            return scatter_to_sequence_parallel_region(self._engram(full, ids), group=tp)
         return self._engram(hidden_states, ids)
 
     def _engram(self, hidden_states: torch.Tensor, ids: dict) -> torch.Tensor:
@@ -91,13 +93,23 @@ class EngramTransformerLayer(TransformerLayer):
         streams, which the branch reads and writes as ``[s, b, n, h]`` (hc_mult = n)."""
         streams = self.engram.hc_mult
         if streams == 1:
-            return self.engram(hidden_states, **ids)
-        output = self.engram(split_streams(hidden_states, streams), **ids)
+            return self.engram(hidden_states, **ids, halo=self.engram_halo)
+        output = self.engram(split_streams(hidden_states, streams), **ids, halo=self.engram_halo)
         return output.reshape(hidden_states.shape)
 
     def issue_lookup(self, context: torch.Tensor):
         """Start this layer's lookup for the micro-batch's [L, B, S, K] block (prefetch)."""
-        return self.engram.multi_head_embedding.issue(context[self.engram_slot].transpose(0, 1))
+        return self.engram.issue_lookup(self._hash_ids(context))
+
+    def _hash_ids(self, context: torch.Tensor) -> torch.Tensor:
+        """This layer's ids [S, B, K] for the positions this rank holds (its TP slice under
+        sequence parallelism; the block is already this CP rank's share)."""
+        ids = context[self.engram_slot].transpose(0, 1)  # sequence first
+        if not self.sequence_split:
+            return ids
+        tp = self.pg_collection.tp
+        width = ids.shape[0] // tp.size()
+        return ids[tp.rank() * width : (tp.rank() + 1) * width]
 
     def forward(self, hidden_states: torch.Tensor, *args, context: Optional[torch.Tensor] = None, **kwargs):
         if context is None:
@@ -110,7 +122,7 @@ class EngramTransformerLayer(TransformerLayer):
         if prefetched is not None and _same_tensor(prefetched[0], context):
             memory = prefetched[1].wait()  # issued at the chunk's start; used once
             self.prefetched_lookup = None
-        hash_ids = context[self.engram_slot].transpose(0, 1)  # [S, B, K], sequence first
+        hash_ids = self._hash_ids(context)  # [S, B, K], sequence first
         hidden_states = hidden_states + self.engram_branch(hidden_states, hash_ids, memory)
         output, _ = super().forward(hidden_states, *args, context=None, **kwargs)
         return output, context

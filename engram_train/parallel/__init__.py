@@ -3,7 +3,6 @@
 from engram_train.parallel.lookup import (
     AllReduceLookup,
     AllToAllLookup,
-    CommStats,
     engram_embedding_parallel,
     row_range,
 )
@@ -18,12 +17,12 @@ from engram_train.parallel.groups import (
     get_engram_model_parallel_group,
     initialize_engram_parallel,
     is_engram_parallel_initialized,
+    table_gradient_groups,
 )
 
 __all__ = [
     "AllReduceLookup",
     "AllToAllLookup",
-    "CommStats",
     "destroy_engram_parallel",
     "engram_embedding_parallel",
     "get_engram_data_parallel_group",
@@ -36,4 +35,5 @@ __all__ = [
     "initialize_engram_parallel",
     "is_engram_parallel_initialized",
     "row_range",
+    "table_gradient_groups",
 ]

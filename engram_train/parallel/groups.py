@@ -45,7 +45,7 @@ _GROUPS: _EngramGroups | None = None
 def check_engram_embedding_parallel_size(eps: int, stage_size: int, detail: str = "") -> None:
     """``eps`` must split every pipeline stage's ranks into equal groups."""
     if isinstance(eps, bool) or not isinstance(eps, int) or eps < 1:
-        raise ValueError(f"engram_embedding_parallel_size must be an int >= 1, got {eps!r}")
+        raise ValueError(f"engram_embedding_parallel_size must be >= 1 (an int), got {eps!r}")
     if stage_size % eps:
         raise ValueError(
             f"engram_embedding_parallel_size={eps} must divide the number of ranks of a pipeline "
@@ -182,3 +182,20 @@ def get_engram_model_parallel_group() -> dist.ProcessGroup:
 
 def get_engram_model_parallel_ranks() -> tuple[int, ...]:
     return _groups().model_parallel_ranks
+
+
+def table_gradient_groups(config) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """(group to sum table gradients over, group to sum their squared norm over) of the
+    model's method; every rank has them, with or without tables of its own.
+
+    ``alltoall``: the Engram data-parallel and model-parallel groups. ``allreduce``: megatron's
+    data-parallel (with context) group and its model-parallel (TP x PP) group.
+    """
+    from megatron.core import parallel_state
+
+    if config.engram_embedding_parallel_method == "allreduce":
+        return (
+            parallel_state.get_data_parallel_group(with_context_parallel=True),
+            parallel_state.get_model_parallel_group(),
+        )
+    return get_engram_data_parallel_group(), get_engram_model_parallel_group()

@@ -12,16 +12,20 @@ lookups at once, their count, id and row exchanges are interleaved, ``_StagedRou
 Backward: the gradients of a distinct row's positions are summed locally (the backward of the
 expansion), one row per distinct id goes back to its owner, and the owner's table receives
 (rows, gradient rows) pairs, never a dense table gradient (``engram/row_grad.py``).
-Tensor-parallel peers hold the same micro-batch, so they split its distinct ids (TP rank r
-fetches the r-th block) and all-gather the rows over TP; the backward of that gather keeps this
-rank's block, because the Engram branch downstream is computed identically on every TP rank.
-Every distinct id of a micro-batch is thus fetched once, and every row gradient reaches its
-owner once.
+Without sequence parallelism, tensor-parallel peers hold the same micro-batch, so they split
+its distinct ids (TP rank r fetches the r-th block) and all-gather the rows over TP; the
+backward of that gather keeps this rank's block, because the Engram branch downstream is
+computed identically on every TP rank. With sequence parallelism each TP rank runs the branch
+on its own slice of the sequence and looks up that slice's ids only (no split, no gather).
+Every distinct id of a micro-batch is thus fetched once per slice holding it, and every row
+gradient reaches its owner once per position.
 
 ``allreduce`` (baseline): rows are split over the tensor-parallel group as a vocab-parallel
 embedding: masked local lookup of the micro-batch's distinct ids, all-reduce of [distinct, D]
 over TP; backward needs no collective (each rank's masked lookup gives exactly its shard's
-gradient rows).
+gradient rows). With sequence parallelism the TP peers' distinct ids are all-gathered first,
+each rank keeps its own block of the reduced rows, and the backward all-reduces the rows'
+gradients so that every shard sees every slice's.
 
 Nothing here scales gradients: the table optimizer (``training/engram_optimizer.py``) sums
 them over ``grad_sync_group`` and applies megatron DDP's averaging.
@@ -30,13 +34,15 @@ them over ``grad_sync_group`` and applies megatron DDP's averaging.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from engram_train.engram.row_grad import ROW_GRAD_ATTR, deliver_row_grad, gather_rows, read_rows
+from engram_train.parallel import groups
+from engram_train.parallel.groups import table_gradient_groups
 
 
 def row_range(num_rows: int, rank: int, size: int) -> tuple[int, int]:
@@ -50,28 +56,6 @@ def row_boundaries(num_rows: int, size: int, device=None) -> torch.Tensor:
                         dtype=torch.int64, device=device)
 
 
-@dataclass
-class CommStats:
-    """Payload bytes this rank handed to collectives (for benchmarks; off by default)."""
-
-    alltoall_sent: int = 0  # bytes sent to other ranks by all-to-all (ids, counts, rows, grads)
-    allreduce_payload: int = 0  # bytes of tensors all-reduced (the wire bytes are algorithmic)
-    allgather_payload: int = 0  # bytes this rank contributed to all-gathers
-    calls: dict[str, int] = field(default_factory=dict)
-
-    def count(self, kind: str, nbytes: int) -> None:
-        setattr(self, kind, getattr(self, kind) + int(nbytes))
-        self.calls[kind] = self.calls.get(kind, 0) + 1
-
-    def reset(self) -> None:
-        self.alltoall_sent = self.allreduce_payload = self.allgather_payload = 0
-        self.calls.clear()
-
-
-def _sent_bytes(splits: list[int], me: int, row_bytes: int) -> int:
-    return (sum(splits) - splits[me]) * row_bytes
-
-
 class _StagedRoute:
     """Send sorted distinct global rows to their owners and serve them back, in three steps,
     each starting an exchange that the next step waits for: counts (``__init__``), ids
@@ -80,16 +64,14 @@ class _StagedRoute:
     A chunk that starts several lookups advances them together, so their round trips overlap
     instead of adding up (the prefetch path); a lone lookup runs the steps back to back."""
 
-    def __init__(self, ids, boundaries, group, stats) -> None:
-        self.ids, self.group, self.stats = ids, group, stats
+    def __init__(self, ids, boundaries, group) -> None:
+        self.ids, self.group = ids, group
         size = group.size()
         owner = torch.searchsorted(boundaries, ids, right=True) - 1
         self.send_counts = torch.bincount(owner, minlength=size)
         self.recv_counts = torch.empty_like(self.send_counts)
         self._work = dist.all_to_all_single(self.recv_counts, self.send_counts, group=group,
                                             async_op=True)
-        if stats is not None:
-            stats.count("alltoall_sent", self.send_counts.element_size() * (size - 1))
         self.recv_ids = None
 
     def send_ids(self) -> None:
@@ -99,14 +81,11 @@ class _StagedRoute:
         self.recv_ids = self.ids.new_empty(sum(self.recv_splits))
         self._work = dist.all_to_all_single(self.recv_ids, self.ids, self.recv_splits,
                                             self.send_splits, group=self.group, async_op=True)
-        if self.stats is not None:
-            self.stats.count("alltoall_sent", _sent_bytes(self.send_splits, self.group.rank(),
-                                                          self.ids.element_size()))
 
     def serve(self, weight, row_start, handles) -> torch.Tensor:
         self._work.wait()
         return _ServeRows.apply(weight, self.recv_ids - row_start, self.recv_splits,
-                                self.send_splits, self.group, self.stats, handles)
+                                self.send_splits, self.group, handles)
 
 
 class _ServeRows(torch.autograd.Function):
@@ -119,8 +98,8 @@ class _ServeRows(torch.autograd.Function):
     here but by the accumulator, when the step needs the gradient."""
 
     @staticmethod
-    def forward(ctx, weight, local_rows, send_splits, recv_splits, group, stats, handles):
-        ctx.weight, ctx.group, ctx.stats = weight, group, stats
+    def forward(ctx, weight, local_rows, send_splits, recv_splits, group, handles):
+        ctx.weight, ctx.group = weight, group
         ctx.splits = (send_splits, recv_splits)
         ctx.save_for_backward(local_rows)
         served = read_rows(weight, local_rows)
@@ -129,9 +108,6 @@ class _ServeRows(torch.autograd.Function):
                                       async_op=handles is not None)
         if handles is not None:
             handles.append(work)
-        if stats is not None:
-            row_bytes = served.element_size() * served.shape[1]
-            stats.count("alltoall_sent", _sent_bytes(send_splits, group.rank(), row_bytes))
         return out
 
     @staticmethod
@@ -143,16 +119,13 @@ class _ServeRows(torch.autograd.Function):
         accumulator = getattr(ctx.weight, ROW_GRAD_ATTR, None)
         work = dist.all_to_all_single(out, grad, send_splits, recv_splits, group=ctx.group,
                                       async_op=accumulator is not None)
-        if ctx.stats is not None:
-            row_bytes = grad.element_size() * grad.shape[1]
-            ctx.stats.count("alltoall_sent", _sent_bytes(recv_splits, ctx.group.rank(), row_bytes))
         if accumulator is not None:  # waited when the optimizer coalesces the gradient
             accumulator.add(local_rows, out, work=work)
-            return (None,) * 7
-        return (deliver_row_grad(ctx.weight, local_rows, out),) + (None,) * 6
+            return (None,) * 6
+        return (deliver_row_grad(ctx.weight, local_rows, out),) + (None,) * 5
 
 
-def routed_lookup(weight, ids, row_start, boundaries, group, stats, handles=None):
+def routed_lookup(weight, ids, row_start, boundaries, group, handles=None):
     """Sorted distinct global rows (any owner) -> their values [n, D], through the owners.
 
     Forward: ids to owners (counts, then ids: small and blocking), owners gather, rows back
@@ -160,30 +133,28 @@ def routed_lookup(weight, ids, row_start, boundaries, group, stats, handles=None
     its owner, whose table receives it row-sparse (``engram/row_grad.py``)."""
     if group is None or group.size() == 1:
         return gather_rows(weight, ids - row_start)
-    route = _StagedRoute(ids, boundaries, group, stats)
+    route = _StagedRoute(ids, boundaries, group)
     route.send_ids()
     return route.serve(weight, row_start, handles)
 
 
 class _ReduceOverGroup(torch.autograd.Function):
     """All-reduce (sum) forward, identity backward: megatron's reduce_from_tensor_model_parallel
-    region, with byte accounting; asynchronous when ``handles`` (a list) is given."""
+    region; asynchronous when ``handles`` (a list) is given."""
 
     @staticmethod
-    def forward(ctx, values, group, stats, handles=None):
+    def forward(ctx, values, group, handles=None):
         if group is None or group.size() == 1:
             return values
         values = values.contiguous()
         work = dist.all_reduce(values, group=group, async_op=handles is not None)
         if handles is not None:
             handles.append(work)
-        if stats is not None:
-            stats.count("allreduce_payload", values.numel() * values.element_size())
         return values
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None, None, None
+        return grad, None, None
 
 
 class _GatherKeepSlice(torch.autograd.Function):
@@ -193,7 +164,7 @@ class _GatherKeepSlice(torch.autograd.Function):
     tensor_parallel_output_grad=False)``, with uneven blocks."""
 
     @staticmethod
-    def forward(ctx, values, group, sizes, stats):
+    def forward(ctx, values, group, sizes):
         width = max(sizes)
         ctx.start = sum(sizes[: group.rank()])
         ctx.chunk = values.shape[0]
@@ -201,13 +172,11 @@ class _GatherKeepSlice(torch.autograd.Function):
         padded[: values.shape[0]] = values
         out = values.new_empty((len(sizes) * width, *values.shape[1:]))
         dist.all_gather_into_tensor(out, padded, group=group)
-        if stats is not None:
-            stats.count("allgather_payload", padded.numel() * padded.element_size())
         return torch.cat([out[r * width : r * width + n] for r, n in enumerate(sizes)])
 
     @staticmethod
     def backward(ctx, grad):
-        return grad[ctx.start : ctx.start + ctx.chunk], None, None, None
+        return grad[ctx.start : ctx.start + ctx.chunk], None, None
 
 
 @dataclass
@@ -269,7 +238,9 @@ class PendingLookup:
 
 class _ShardedLookup:
     """What both methods share: a group whose ranks own contiguous row blocks of each table,
-    the groups that reduce table gradients and their norm, and the checkpoint placement."""
+    the groups that reduce table gradients and their norm, the checkpoint placement, and the
+    lookup's frame (distinct rows in, expansion to the positions out, timing); a method
+    supplies ``_fetch``, the exchange of the distinct rows."""
 
     method = ""
 
@@ -278,29 +249,10 @@ class _ShardedLookup:
         shard_group: dist.ProcessGroup | None,
         grad_sync_group: dist.ProcessGroup | None,
         norm_group: dist.ProcessGroup | None,
-        stats: CommStats | None,
     ) -> None:
         self.shard_group = shard_group
         self.grad_sync_group = grad_sync_group
         self.norm_group = norm_group
-        self.stats = stats
-        self.ids_requested = 0  # (position, head) ids looked up, before deduplication
-        self.ids_distinct = 0  # distinct rows actually fetched (per micro-batch)
-
-    def _distinct(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sorted distinct rows of a micro-batch and the inverse map back to its positions."""
-        unique, inverse = torch.unique(rows.reshape(-1), sorted=True, return_inverse=True)
-        self.ids_requested += rows.numel()
-        self.ids_distinct += unique.numel()
-        return unique, inverse
-
-    @property
-    def dedup_ratio(self) -> float:
-        """ids requested / distinct rows fetched, since the last ``reset_counts``."""
-        return self.ids_requested / self.ids_distinct if self.ids_distinct else 1.0
-
-    def reset_counts(self) -> None:
-        self.ids_requested = self.ids_distinct = 0
 
     @property
     def num_shards(self) -> int:
@@ -318,6 +270,31 @@ class _ShardedLookup:
         replica = self.grad_sync_group.rank() if self.grad_sync_group is not None else 0
         return self.shard_rank, self.num_shards, replica
 
+    def lookup(self, embedding, rows: torch.Tensor) -> torch.Tensor:
+        """Global rows [...] -> [..., D], each distinct row fetched once."""
+        return self.issue(embedding, rows, prefetch=False).wait()
+
+    def issue(self, embedding, rows: torch.Tensor, prefetch: bool = True) -> PendingLookup:
+        """Start the lookup of ``lookup``; with ``prefetch`` the rows travel back
+        asynchronously while the caller computes, and ``wait()`` collects them."""
+        start = time.perf_counter()
+        unique, inverse = torch.unique(rows.reshape(-1), sorted=True, return_inverse=True)
+        values, handles, stages, post = self._fetch(embedding, unique, prefetch)
+
+        def finish(values: torch.Tensor) -> torch.Tensor:
+            if post is not None:
+                values = post(values)
+            return values.index_select(0, inverse).view(*rows.shape, values.shape[-1])
+
+        LOOKUP_TIMES.issue_s += time.perf_counter() - start
+        LOOKUP_TIMES.lookups += 1
+        return PendingLookup(values, handles, finish, stages)
+
+    def _fetch(self, embedding, unique: torch.Tensor, prefetch: bool):
+        """(values or None, work handles, remaining stages, post-processing or None) for the
+        sorted distinct rows ``unique``."""
+        raise NotImplementedError
+
 
 class AllToAllLookup(_ShardedLookup):
     """Method ``alltoall``: rows over the embedding-parallel group, ids routed to owners."""
@@ -330,57 +307,40 @@ class AllToAllLookup(_ShardedLookup):
         tensor_group: dist.ProcessGroup | None = None,
         grad_sync_group: dist.ProcessGroup | None = None,
         norm_group: dist.ProcessGroup | None = None,
-        stats: CommStats | None = None,
     ) -> None:
-        super().__init__(embedding_group, grad_sync_group, norm_group, stats)
+        super().__init__(embedding_group, grad_sync_group, norm_group)
         self.embedding_group = embedding_group
         self.tensor_group = tensor_group
         self._boundaries: dict[tuple[int, torch.device], torch.Tensor] = {}
 
-    def lookup(self, embedding, rows: torch.Tensor) -> torch.Tensor:
-        """Global rows [...] -> [..., D] through the owners, each distinct row fetched once."""
-        return self.issue(embedding, rows, prefetch=False).wait()
-
-    def issue(self, embedding, rows: torch.Tensor, prefetch: bool = True) -> PendingLookup:
-        """Start the lookup of ``lookup``; with ``prefetch`` the rows travel back
-        asynchronously while the caller computes, and ``wait()`` collects them."""
-        start = time.perf_counter()
-        unique, inverse = self._distinct(rows)
+    def _fetch(self, embedding, unique: torch.Tensor, prefetch: bool):
         tp = self.tensor_group.size() if self.tensor_group is not None else 1
-        sizes = None
+        post = None
         if tp > 1:  # TP peers hold the same micro-batch: each fetches a block of its rows
             sizes = [hi - lo for lo, hi in (row_range(unique.numel(), r, tp) for r in range(tp))]
             lo, hi = row_range(unique.numel(), self.tensor_group.rank(), tp)
             unique = unique[lo:hi]
+            post = lambda values: _GatherKeepSlice.apply(values, self.tensor_group, sizes)  # noqa: E731
         key = (embedding.num_rows, unique.device)
         if key not in self._boundaries:
             self._boundaries[key] = row_boundaries(embedding.num_rows, self.num_shards,
                                                    unique.device)
         handles: list = []
         group = self.embedding_group
-        values, stages = None, []
         if prefetch and group is not None and group.size() > 1:
-            route = _StagedRoute(unique, self._boundaries[key], group, self.stats)
+            route = _StagedRoute(unique, self._boundaries[key], group)
             stages = [route.send_ids,
                       lambda: route.serve(embedding.weight, embedding.row_start, handles)]
-        else:  # blocking, or a group of one (a local gather: nothing in flight)
-            values = routed_lookup(
-                embedding.weight, unique, embedding.row_start, self._boundaries[key],
-                group, self.stats,
-            )
-
-        def finish(values: torch.Tensor) -> torch.Tensor:
-            if sizes is not None:
-                values = _GatherKeepSlice.apply(values, self.tensor_group, sizes, self.stats)
-            return values.index_select(0, inverse).view(*rows.shape, values.shape[-1])
-
-        LOOKUP_TIMES.issue_s += time.perf_counter() - start
-        LOOKUP_TIMES.lookups += 1
-        return PendingLookup(values, handles, finish, stages)
+            return None, handles, stages, post
+        # blocking, or a group of one (a local gather: nothing in flight)
+        values = routed_lookup(embedding.weight, unique, embedding.row_start,
+                               self._boundaries[key], group)
+        return values, handles, [], post
 
 
 class AllReduceLookup(_ShardedLookup):
-    """Method ``allreduce``: rows over the TP group, masked local lookup + all-reduce."""
+    """Method ``allreduce``: rows over the TP group, masked local lookup of each distinct row
+    on every shard, summed over TP ([distinct, D] all-reduced, not [positions, D])."""
 
     method = "allreduce"
 
@@ -389,56 +349,59 @@ class AllReduceLookup(_ShardedLookup):
         tensor_group: dist.ProcessGroup | None,
         grad_sync_group: dist.ProcessGroup | None = None,
         norm_group: dist.ProcessGroup | None = None,
-        stats: CommStats | None = None,
+        sequence_split: bool = False,
     ) -> None:
-        super().__init__(tensor_group, grad_sync_group, norm_group, stats)
+        super().__init__(tensor_group, grad_sync_group, norm_group)
         self.tensor_group = tensor_group
+        self.sequence_split = sequence_split
 
-    def lookup(self, embedding, rows: torch.Tensor) -> torch.Tensor:
-        """Masked lookup of each distinct row on every shard, summed over TP ([distinct, D]
-        all-reduced, not [positions, D]), then expanded to the positions."""
-        return self.issue(embedding, rows, prefetch=False).wait()
-
-    def issue(self, embedding, rows: torch.Tensor, prefetch: bool = True) -> PendingLookup:
-        """As ``lookup``; with ``prefetch`` the all-reduce runs asynchronously until
-        ``wait()``."""
-        start = time.perf_counter()
-        unique, inverse = self._distinct(rows)
+    def _fetch(self, embedding, unique: torch.Tensor, prefetch: bool):
         local = unique - embedding.row_start
         handles: list = []
         if self.num_shards == 1:
-            values = gather_rows(embedding.weight, local)
-        else:
-            owned = (local >= 0) & (local < embedding.weight.shape[0])
-            values = gather_rows(embedding.weight, torch.where(owned, local, 0), owned)
-            values = _ReduceOverGroup.apply(values, self.tensor_group, self.stats,
-                                            handles if prefetch else None)
-
-        def finish(values: torch.Tensor) -> torch.Tensor:
-            return values.index_select(0, inverse).view(*rows.shape, values.shape[-1])
-
-        LOOKUP_TIMES.issue_s += time.perf_counter() - start
-        LOOKUP_TIMES.lookups += 1
-        return PendingLookup(values, handles, finish)
+            return gather_rows(embedding.weight, local), handles, [], None
+        post = None
+        if self.sequence_split:  # TP peers hold different slices: serve the union of their rows
+            unique, (lo, hi) = _gather_ids(unique, self.tensor_group)
+            local = unique - embedding.row_start
+            post = lambda values: _AllReduceBackward.apply(values, self.tensor_group)[lo:hi]  # noqa: E731
+        owned = (local >= 0) & (local < embedding.weight.shape[0])
+        values = gather_rows(embedding.weight, torch.where(owned, local, 0), owned)
+        values = _ReduceOverGroup.apply(values, self.tensor_group,
+                                        handles if prefetch else None)
+        return values, handles, [], post
 
 
-def table_gradient_groups(config) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """(group to sum table gradients over, group to sum their squared norm over) of the
-    model's method; every rank has them, with or without tables of its own.
+def _gather_ids(ids: torch.Tensor, group) -> tuple[torch.Tensor, tuple[int, int]]:
+    """Every rank's ids concatenated in rank order, and where this rank's are in it."""
+    count = torch.tensor([ids.numel()], dtype=torch.int64, device=ids.device)
+    counts = count.new_empty(group.size())
+    dist.all_gather_into_tensor(counts, count, group=group)
+    sizes = counts.tolist()
+    padded = ids.new_zeros(max(sizes))
+    padded[: ids.numel()] = ids
+    out = ids.new_empty(group.size() * max(sizes))
+    dist.all_gather_into_tensor(out, padded, group=group)
+    start = sum(sizes[: group.rank()])
+    gathered = torch.cat([out[r * max(sizes) : r * max(sizes) + n] for r, n in enumerate(sizes)])
+    return gathered, (start, start + ids.numel())
 
-    ``alltoall``: the Engram data-parallel and model-parallel groups. ``allreduce``: megatron's
-    data-parallel (with context) group and its model-parallel (TP x PP) group.
-    """
-    from megatron.core import parallel_state
 
-    from engram_train.parallel import groups
+class _AllReduceBackward(torch.autograd.Function):
+    """Identity forward, all-reduce (sum) backward: megatron's copy_to_tensor_model_parallel_
+    region. Each TP rank keeps only its slice of the reduced rows, so the gradient of every
+    rank's slice must reach every shard's masked lookup."""
 
-    if config.engram_embedding_parallel_method == "allreduce":
-        return (
-            parallel_state.get_data_parallel_group(with_context_parallel=True),
-            parallel_state.get_model_parallel_group(),
-        )
-    return groups.get_engram_data_parallel_group(), groups.get_engram_model_parallel_group()
+    @staticmethod
+    def forward(ctx, values, group):
+        ctx.group = group
+        return values
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
 
 
 def engram_embedding_parallel(config, tp_group: dist.ProcessGroup | None = None):
@@ -449,14 +412,16 @@ def engram_embedding_parallel(config, tp_group: dist.ProcessGroup | None = None)
     """
     from megatron.core import parallel_state
 
-    from engram_train.parallel import groups
-
     if tp_group is None:
         tp_group = parallel_state.get_tensor_model_parallel_group()
     method = config.engram_embedding_parallel_method
+    # Sequence parallelism: TP peers hold different slices of the sequence, and the Engram
+    # layer looks up only its own slice's ids (models/engram_layer.py).
+    sequence_split = bool(getattr(config, "sequence_parallel", False)) and tp_group.size() > 1
     if method == "allreduce":
         grad_sync_group, norm_group = table_gradient_groups(config)
-        return AllReduceLookup(tp_group, grad_sync_group=grad_sync_group, norm_group=norm_group)
+        return AllReduceLookup(tp_group, grad_sync_group=grad_sync_group, norm_group=norm_group,
+                               sequence_split=sequence_split)
     if method != "alltoall":
         raise ValueError(f"unknown engram_embedding_parallel_method={method!r}")
     eps = config.engram_embedding_parallel_size
@@ -476,7 +441,7 @@ def engram_embedding_parallel(config, tp_group: dist.ProcessGroup | None = None)
     grad_sync_group, norm_group = table_gradient_groups(config)
     return AllToAllLookup(
         groups.get_engram_embedding_parallel_group(),
-        tensor_group=tp_group,
+        tensor_group=None if sequence_split else tp_group,
         grad_sync_group=grad_sync_group,
         norm_group=norm_group,
     )

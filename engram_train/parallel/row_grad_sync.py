@@ -58,12 +58,10 @@ def sync_row_grads(
     grads: list[tuple[torch.Tensor, torch.Tensor]],
     shard_rows: list[int],
     group: dist.ProcessGroup | None,
-    force: str | None = None,
 ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], RowGradSyncStats]:
     """Sum each table's coalesced (rows, values) over ``group``; returns the summed pairs in
-    the same order (sorted distinct rows) and what was done.
-
-    ``force`` ('sparse' or 'dense') overrides the byte-count choice (tests)."""
+    the same order (sorted distinct rows) and what was done (the route per table is
+    ``sparse_is_cheaper``'s choice)."""
     rows_before = [r.numel() for r, _ in grads]
     if group is None or group.size() == 1 or not grads:
         return grads, RowGradSyncStats(["local"] * len(grads), rows_before, rows_before)
@@ -77,8 +75,6 @@ def sync_row_grads(
     for (rows, values), num_rows, table_counts in zip(grads, shard_rows, counts):
         dim = values.shape[1]
         sparse = sparse_is_cheaper(sum(table_counts), num_rows, dim, size)
-        if force is not None:
-            sparse = force == "sparse"
         if sparse:
             if max(table_counts) == 0:
                 out.append((rows, values))

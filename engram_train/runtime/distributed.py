@@ -62,10 +62,6 @@ class ParallelSizes:
         for name in ("tensor", "pipeline", "expert", "context"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}_model_parallel_size must be >= 1, got {getattr(self, name)}")
-        if self.engram_embedding < 1:
-            raise ValueError(
-                f"engram_embedding_parallel_size must be >= 1, got {self.engram_embedding}"
-            )
         model = self.tensor * self.pipeline * self.context
         if world_size % model:
             raise ValueError(

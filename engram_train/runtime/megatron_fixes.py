@@ -209,3 +209,85 @@ def pipeline_shapes_for_hyper_connections(ctx) -> None:
     for name in ("forward_backward_pipelining_without_interleaving",
                  "forward_backward_pipelining_with_interleaving"):
         ctx.set(schedules, name, _schedule_with_stream_rows(getattr(schedules, name)))
+
+
+# ----------------------------------------------- checkpoints megatron-core 0.19 wrote, on 0.16
+
+# megatron-core 0.19 stores a checkpoint's common (non-tensor) state as one ShardedObject of this
+# key inside the torch_dist files instead of ``common.pt``; 0.16 reads only ``common.pt``.
+EMBEDDED_COMMON_STATE = "common_state"
+
+
+def embedded_common_state_key() -> str:
+    """The storage key of that object in the torch_dist files."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    return ShardedObject(EMBEDDED_COMMON_STATE, None, (1,), (0,)).unique_key
+
+
+def read_embedded_common_state(checkpoint_dir) -> dict:
+    """The common state megatron-core 0.19 embeds in a checkpoint's torch_dist files, read in
+    this process alone (no process group); only torch's safe types are unpickled."""
+    import io
+
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint import load as dcp_load
+
+    key = embedded_common_state_key()
+    buffers = {key: io.BytesIO()}
+    dcp_load(buffers, storage_reader=FileSystemReader(str(checkpoint_dir)), no_dist=True)
+    loaded = buffers[key]
+    if isinstance(loaded, io.BytesIO):
+        loaded.seek(0)
+        loaded = torch.load(loaded, weights_only=True)
+    return loaded[0]
+
+
+def _has_embedded_common_state(checkpoint_dir) -> bool:
+    from pathlib import Path
+
+    return not (Path(checkpoint_dir) / "common.pt").exists() and (
+        Path(checkpoint_dir) / ".metadata").exists()
+
+
+def load_embedded_common_state(ctx) -> None:
+    """``dist_checkpointing.load`` and ``load_common_state_dict`` read a checkpoint without
+    ``common.pt`` (written by 0.19) from its embedded common state: through a common-load
+    strategy (megatron's own extension point) and a request for the embedded object, so that a
+    strict load does not count it as a key the model lacks; its loaded copy is dropped."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import serialization
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
+
+    class EmbeddedCommonLoad(TorchCommonLoadStrategy):
+        def load_common(self, checkpoint_dir):
+            return read_embedded_common_state(checkpoint_dir)
+
+    original_load = serialization.load
+    original_common = serialization.load_common_state_dict
+
+    @functools.wraps(original_load)
+    def load(sharded_state_dict, checkpoint_dir, *args, **kwargs):
+        if not _has_embedded_common_state(checkpoint_dir) or args or "common_strategy" in kwargs:
+            return original_load(sharded_state_dict, checkpoint_dir, *args, **kwargs)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        sharded_state_dict[EMBEDDED_COMMON_STATE] = ShardedObject(
+            EMBEDDED_COMMON_STATE, None, (1,), (0,), replica_id=rank)
+        result = original_load(sharded_state_dict, checkpoint_dir,
+                               common_strategy=EmbeddedCommonLoad(), **kwargs)
+        sharded_state_dict.pop(EMBEDDED_COMMON_STATE, None)
+        loaded = result[0] if isinstance(result, tuple) else result
+        loaded.pop(EMBEDDED_COMMON_STATE, None)
+        return result
+
+    @functools.wraps(original_common)
+    def load_common_state_dict(checkpoint_dir, *args, **kwargs):
+        if _has_embedded_common_state(checkpoint_dir):
+            return read_embedded_common_state(checkpoint_dir)
+        return original_common(checkpoint_dir, *args, **kwargs)
+
+    for owner in (dist_checkpointing, serialization):
+        ctx.set(owner, "load", load)
+        ctx.set(owner, "load_common_state_dict", load_common_state_dict)

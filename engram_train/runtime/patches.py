@@ -105,7 +105,9 @@ PATCHES: tuple[Patch, ...] = (
         name="cpu_cuda_redirects",
         versions=None,
         upstream="megatron-core assumes CUDA throughout: torch.cuda.current_device() as a "
-        "device, device='cuda' factories, torch.cuda.Stream/Event, CUDA RNG seeding, and "
+        "device, device='cuda' and pin_memory=True factories (pin_memory: "
+        "rope_utils.get_pos_emb_on_this_cp_rank under context parallelism), "
+        "torch.cuda.Stream/Event, CUDA RNG seeding, and "
         "param.type() == 'torch.cuda.FloatTensor' in optimizer/distrib_optimizer.py and "
         "optimizer/clip_grads.py. Redirected to the CPU (torch attributes; see docs/cpu.md).",
         verify="on a host without CUDA, ENGRAM_DISABLE_PATCHES=cpu_cuda_redirects: "
@@ -215,6 +217,18 @@ PATCHES: tuple[Patch, ...] = (
         apply=megatron_fixes.pipeline_shapes_for_hyper_connections,
         needed=megatron_fixes.no_upstream_hyper_connections,
     ),
+    Patch(
+        name="embedded_common_state",
+        versions=">=0.16.1,<0.19",
+        upstream="dist_checkpointing/serialization.py: load() and load_common_state_dict() "
+        "read a checkpoint's common state from common.pt only; megatron-core 0.19 embeds it "
+        "in the torch_dist files (a ShardedObject 'common_state') and writes no common.pt. "
+        "A checkpoint without common.pt is read through the embedded object.",
+        verify="ENGRAM_DISABLE_PATCHES=embedded_common_state on the 0.16 lane: "
+        "tests/test_lane_checkpoints.py fails to load the fixture written on 0.19 "
+        "(common.pt: No such file or directory)",
+        apply=megatron_fixes.load_embedded_common_state,
+    ),
 )
 
 CPU_PATCHES = ("cpu_cuda_redirects", "cpu_rng_tracker")
@@ -225,6 +239,7 @@ MEGATRON_FIXES = (
     "distopt_load_into_fresh_torch_adam",
     "distopt_shared_torch_adam_step",
     "mhc_pipeline_shapes",  # a missing feature rather than a bug: mHC stages exchange n streams
+    "embedded_common_state",  # a newer release's checkpoint format, read by an older one
 )
 DATASET_PATCHES = ("blended_dataset_without_process_group",)
 

@@ -16,7 +16,7 @@ recipe) uses the same gradient route and densifies only for its step, which move
 The hook: ``EngramTableOptimizer`` is a megatron ``MegatronOptimizer`` chained after megatron's
 own optimizers in a ``ChainedOptimizer``, so ``train_step``'s ``optimizer.step()``, the LR
 scheduler (``param_groups`` carry ``max_lr``/``min_lr``/``wd_mult`` like megatron's groups) and
-``checkpointing.py`` drive it unchanged. In ``ChainedOptimizer.step``:
+``engram_train.checkpoint`` drive it unchanged. In ``ChainedOptimizer.step``:
 
 1. ``prepare_grads`` - each table's row pairs are coalesced (distinct rows, float32 sums),
    scaled by 1 / megatron's data-parallel(x context) size and summed over the method's
@@ -71,7 +71,6 @@ from megatron.core.optimizer import OptimizerConfig
 from megatron.core.optimizer.clip_grads import get_grad_norm_fp32
 from megatron.core.optimizer.optimizer import MegatronOptimizer
 
-from engram_train.config import TABLE_OPTIMIZERS
 from engram_train.engram.host_table import HOST_TABLE_TIMES, is_host_resident
 from engram_train.engram.row_grad import arm_row_sparse_grad
 from engram_train.parallel.row_grad_sync import RowGradSyncStats, sync_row_grads
@@ -104,6 +103,28 @@ def engram_table_param_group(opt_config: OptimizerConfig, model_config: Any) -> 
     }
 
 
+def _row_sparse_adam(group: dict, config: OptimizerConfig, offload: bool) -> torch.optim.Optimizer:
+    """``sparse_adam``: lazy row-wise Adam (``sparse_adam.py``), a step costs the rows touched."""
+    return RowSparseAdam([group], lr=group["lr"], betas=(config.adam_beta1, config.adam_beta2),
+                         eps=config.adam_eps, weight_decay=group["weight_decay"])
+
+
+def _dense_adam(group: dict, config: OptimizerConfig, offload: bool) -> torch.optim.Optimizer:
+    """``adam``: torch's dense Adam(W), a step costs the whole table (the reference)."""
+    adam_cls = torch.optim.AdamW if config.decoupled_weight_decay else torch.optim.Adam
+    return adam_cls(
+        [group], lr=group["lr"], weight_decay=group["weight_decay"],
+        betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
+        # Host tensors: torch would pick its single-tensor loop; foreach is the same
+        # algorithm as its CUDA default (and bitwise equal to the loop on CPU).
+        **({"foreach": True} if offload else {}),
+    )
+
+
+# ``engram_optimizer`` -> the torch optimizer stepping the tables (names: config.TABLE_OPTIMIZERS)
+TABLE_OPTIMIZER_BUILDERS = {"sparse_adam": _row_sparse_adam, "adam": _dense_adam}
+
+
 class EngramTableOptimizer(MegatronOptimizer):
     """Adam (dense) or lazy row-wise Adam over this rank's Engram table shards; see the module
     docstring.
@@ -121,7 +142,8 @@ class EngramTableOptimizer(MegatronOptimizer):
         norm_group: dist.ProcessGroup,
         calculate_per_token_loss: bool = False,
         offload_states: bool = False,
-        table_optimizer: str = "sparse_adam",
+        *,
+        table_optimizer: str,
     ) -> None:
         if config.fp16:
             raise NotImplementedError(
@@ -132,10 +154,6 @@ class EngramTableOptimizer(MegatronOptimizer):
                 "Engram tables are trained with Adam (paper recipe); "
                 f"optimizer={config.optimizer!r} is not supported with use_engram."
             )
-        if table_optimizer not in TABLE_OPTIMIZERS:
-            raise ValueError(
-                f"engram_optimizer={table_optimizer!r} is unknown: use one of {TABLE_OPTIMIZERS}."
-            )
         if calculate_per_token_loss:
             raise NotImplementedError(
                 "calculate_per_token_loss with Engram tables: table gradients would miss "
@@ -145,7 +163,7 @@ class EngramTableOptimizer(MegatronOptimizer):
         self.grad_sync_group = grad_sync_group
         self.grad_stats_parallel_group = norm_group
         self.table_optimizer = table_optimizer
-        self.sparse = table_optimizer == "sparse_adam"
+        self.sparse = table_optimizer == "sparse_adam"  # the config validated the name
         self.num_steps = 0
         self.mixed_precision = any(p.dtype != torch.float32 for p in self.model_params)
         # Host-resident tables keep their state in host memory already: offload adds nothing.
@@ -155,26 +173,12 @@ class EngramTableOptimizer(MegatronOptimizer):
         self._row_grads: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self._carriers: list[torch.Tensor] = []
         self.last_sync: RowGradSyncStats | None = None
-        self.force_sync_route: str | None = None  # 'sparse' | 'dense' (tests), None = by bytes
         if self.offload or self.mixed_precision:
             self.main_params = [self._new_master(p, self.offload) for p in self.model_params]
         else:
             self.main_params = self.model_params
         group = dict(param_group, params=self.main_params)
-        betas = (config.adam_beta1, config.adam_beta2)
-        if self.sparse:
-            optimizer = RowSparseAdam([group], lr=param_group["lr"], betas=betas,
-                                      eps=config.adam_eps,
-                                      weight_decay=param_group["weight_decay"])
-        else:
-            adam_cls = torch.optim.AdamW if config.decoupled_weight_decay else torch.optim.Adam
-            optimizer = adam_cls(
-                [group], lr=param_group["lr"], weight_decay=param_group["weight_decay"],
-                betas=betas, eps=config.adam_eps,
-                # Host tensors: torch would pick its single-tensor loop; foreach is the same
-                # algorithm as its CUDA default (and bitwise equal to the loop on CPU).
-                **({"foreach": True} if self.offload else {}),
-            )
+        optimizer = TABLE_OPTIMIZER_BUILDERS[table_optimizer](group, config, self.offload)
         super().__init__(optimizer, config, init_state_fn=self._init_state)
         self.is_stub_optimizer = False
         self._scale = torch.ones(1, dtype=torch.float32, device=runtime_device())
@@ -209,7 +213,6 @@ class EngramTableOptimizer(MegatronOptimizer):
             local.append((rows, values.mul_(scale)))
         self._row_grads, self.last_sync = sync_row_grads(
             local, [p.shape[0] for p in self.model_params], self.grad_sync_group,
-            force=self.force_sync_route,
         )
         self._carriers = []
         for _, values in self._row_grads:

@@ -26,7 +26,7 @@ def build_optimizer(opt_config: OptimizerConfig, model_chunks: list, model_confi
     if not getattr(model_config, "use_engram", False):
         return get_megatron_optimizer(opt_config, model_chunks, config_overrides=overrides)
 
-    from engram_train.parallel.lookup import table_gradient_groups
+    from engram_train.parallel.groups import table_gradient_groups
     from engram_train.models.table_params import engram_table_params, hidden_from_megatron
     from engram_train.training.engram_optimizer import (
         EngramTableOptimizer,
@@ -50,9 +50,9 @@ def build_optimizer(opt_config: OptimizerConfig, model_chunks: list, model_confi
         table_group,
         grad_sync_group,
         norm_group,
-        calculate_per_token_loss=getattr(model_config, "calculate_per_token_loss", False),
-        offload_states=getattr(model_config, "engram_offload_embedding_optimizer_states", False),
-        table_optimizer=getattr(model_config, "engram_optimizer", "sparse_adam"),
+        table_optimizer=model_config.engram_optimizer,
+        calculate_per_token_loss=model_config.calculate_per_token_loss,
+        offload_states=model_config.engram_offload_embedding_optimizer_states,
     )
     parts = (
         megatron_optimizer.chained_optimizers

@@ -140,7 +140,7 @@ def validate_run_config(cfg, world_size: int, check_data: bool = True):
     model_config = build_transformer_config(cfg)
     if check_data:
         _check_data(cfg)
-        _check_host_memory(cfg, world_size)
+        _check_host_memory(cfg, model_config, world_size)
     _check_reliability(cfg)
     return model_config
 
@@ -161,21 +161,22 @@ def engram_table_params_per_rank(cfg) -> int:
     return -(-layers * per_layer // shards)
 
 
-def _check_host_memory(cfg, world_size: int) -> None:
+def _check_host_memory(cfg, model_config, world_size: int) -> None:
     """Host-resident tables (or offloaded table optimizer states) must fit in the host RAM
     available to the ranks of one node; refused at start, naming the fields, otherwise."""
     from engram_train.engram.host_table import available_host_bytes, host_table_bytes
 
-    m = cfg.model
-    host = _get(m, "engram_table_placement", "device") == "host"
-    offload = bool(_get(m, "engram_offload_embedding_optimizer_states", False))
-    if not _get(m, "use_engram") or not (host or offload):
+    if not getattr(model_config, "use_engram", False):  # megatron's own config without Engram
+        return
+    host = model_config.engram_table_placement == "host"
+    offload = model_config.engram_offload_embedding_optimizer_states
+    if not (host or offload):
         return
     available = available_host_bytes()
     if available is None:
         return
     params = engram_table_params_per_rank(cfg)
-    table_bytes = 2 if _get(m, "engram_table_dtype", "fp32") == "bf16" else 4
+    table_bytes = 2 if model_config.engram_table_dtype == "bf16" else 4
     if host:  # the table, its two float32 moments and (bf16 tables) a float32 master
         per_rank = host_table_bytes(params, table_bytes, mixed_precision=table_bytes != 4)
     else:  # offload: a float32 master (also for fp32 tables) and the two moments

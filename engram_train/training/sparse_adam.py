@@ -14,7 +14,6 @@ run may switch between the two on resume.
 
 from __future__ import annotations
 
-import math
 
 import torch
 

@@ -33,7 +33,7 @@ from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import unwrap_model
 
-from engram_train.checkpointing import load_checkpoint, save_checkpoint
+from engram_train.checkpoint import load_checkpoint, save_checkpoint
 from engram_train.engram.engram_module import Engram
 from engram_train.models.builder import build_model
 from engram_train.models.table_params import engram_table_params

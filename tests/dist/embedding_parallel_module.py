@@ -36,7 +36,8 @@ from megatron.core.optimizer import OptimizerConfig
 from engram_train.config import EngramConfig
 from engram_train.engram.engram_module import Engram
 from engram_train.parallel import groups
-from engram_train.parallel.lookup import engram_embedding_parallel, table_gradient_groups
+from engram_train.parallel.groups import table_gradient_groups
+from engram_train.parallel.lookup import engram_embedding_parallel
 from engram_train.training.engram_optimizer import EngramTableOptimizer, engram_table_param_group
 
 TOKENIZER = str(Path(__file__).resolve().parents[1] / "data" / "golden" / "tok_bpe4k")
@@ -129,7 +130,7 @@ def check_layout(result, ref, name, method, tp, eps):
     opt_config = OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=0.0)
     optimizer = EngramTableOptimizer(
         opt_config, [emb.weight], engram_table_param_group(opt_config, config),
-        *table_gradient_groups(config),
+        *table_gradient_groups(config), table_optimizer=config.engram_optimizer,
     )
     batches, weight = global_batch(engram)
     dp, dp_rank = (parallel_state.get_data_parallel_world_size(),

@@ -24,19 +24,15 @@ sys.path.insert(0, str(Path(__file__).parent))
 import torch
 import torch.distributed as dist
 from common import SEQ, VOCAB, parse_args, repeated_batches, write_result
-from engram_integration import dp_share_of_step, engram_config, with_hash_ids
+from engram_integration import build_engram_training, dp_share_of_step, engram_config, table_optimizer, with_hash_ids
 
 from engram_train.runtime import ParallelSizes, initialize_distributed
 
 from megatron.core import parallel_state
-from megatron.core.distributed import DistributedDataParallelConfig
-from megatron.core.optimizer import OptimizerConfig
 
-from engram_train.checkpointing import load_checkpoint, save_checkpoint
+from engram_train.checkpoint import load_checkpoint, save_checkpoint
 from engram_train.models.builder import build_model
-from engram_train.parallel import groups
-from engram_train.training.engram_optimizer import EngramTableOptimizer
-from engram_train.training.optimizer import build_optimizer
+from engram_train.parallel import groups, row_grad_sync
 from engram_train.training.step import run_forward_backward, train_step
 
 LAYER_IDS = [1, 3]
@@ -73,17 +69,8 @@ VARYING_STEPS = 12
 
 
 def setup(layout: ParallelSizes, method="alltoall", sp=False, seed=1, **overrides):
-    parallel_state.destroy_model_parallel()
-    initialize_distributed(layout, seed=seed)
-    config = engram_config(layout, LAYER_IDS, sp=sp, engram_embedding_parallel_method=method,
-                           engram_embedding_parallel_size=layout.engram_embedding, **overrides)
-    model = build_model(config, VOCAB, SEQ, DistributedDataParallelConfig(grad_reduce_in_fp32=True))
-    opt_config = OptimizerConfig(optimizer="adam", lr=3e-3, clip_grad=0.05, weight_decay=0.0)
-    return config, model, build_optimizer(opt_config, model, config)
-
-
-def table_optimizer(optimizer) -> EngramTableOptimizer:
-    return next(o for o in optimizer.chained_optimizers if isinstance(o, EngramTableOptimizer))
+    return build_engram_training(layout, LAYER_IDS, method=method, sp=sp, seed=seed,
+                                 optimizer=dict(weight_decay=0.0), **overrides)
 
 
 def my_batches():
@@ -175,6 +162,9 @@ def replica_max_diff(model, optimizer) -> float:
     return worst.item()
 
 
+AUTO_ROUTE = row_grad_sync.sparse_is_cheaper
+
+
 def dense_vs_sparse(root, result):
     """eps 2 (two replicas per shard), a different global batch every step: dense adam,
     sparse_adam with the automatic and with the dense gradient-sync route."""
@@ -185,7 +175,9 @@ def dense_vs_sparse(root, result):
         _, model, optimizer = setup(layout, engram_optimizer=table_opt)
         load_checkpoint(root / "base", model)
         opt = table_optimizer(optimizer)
-        opt.force_sync_route = route
+        # the automatic route choice, or one route forced for every table
+        row_grad_sync.sparse_is_cheaper = (
+            AUTO_ROUTE if route is None else (lambda *_, sparse=route == "sparse": sparse))
         losses, routes = [], set()
         for step in range(VARYING_STEPS):
             losses.append(train_step(model, optimizer, varying_batches(step), SEQ, 1).lm_loss)
@@ -195,6 +187,7 @@ def dense_vs_sparse(root, result):
             replica_max_diff=replica_max_diff(model, optimizer),
             replicas=groups.get_engram_data_parallel_world_size(),
         )
+    row_grad_sync.sparse_is_cheaper = AUTO_ROUTE
 
 
 def moments(model, optimizer):

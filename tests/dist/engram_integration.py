@@ -25,7 +25,7 @@ from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.models.gpt import GPTModel
 
-from engram_train.checkpointing import load_checkpoint, save_checkpoint
+from engram_train.checkpoint import load_checkpoint, save_checkpoint
 from engram_train.config import EngramMLATransformerConfig
 from engram_train.models.builder import build_model
 from engram_train.models.specs import deepseek_v3_block_spec
@@ -49,6 +49,35 @@ def engram_config(layout: ParallelSizes, layer_ids, sp=False, **overrides):
     )
     cfg.finalize_model_grads_func = finalize_model_grads
     return cfg
+
+
+def build_engram_training(layout: ParallelSizes, layer_ids, *, method="alltoall", sp=False, seed=1,
+                          load=None, optimizer=None, **overrides):
+    """A fresh layout's process groups, then the Engram model (loaded from ``load`` when given)
+    and megatron's Adam with the Engram table optimizer: (config, model, optimizer)."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    from engram_train.training.optimizer import build_optimizer
+
+    parallel_state.destroy_model_parallel()
+    initialize_distributed(layout, seed=seed)
+    if layout.virtual_pipeline:
+        overrides.setdefault("virtual_pipeline_model_parallel_size", layout.virtual_pipeline)
+    config = engram_config(layout, layer_ids, sp=sp, engram_embedding_parallel_method=method,
+                           engram_embedding_parallel_size=layout.engram_embedding, **overrides)
+    model = build_model(config, VOCAB, SEQ, DistributedDataParallelConfig(grad_reduce_in_fp32=True))
+    config.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
+    if load is not None:
+        load_checkpoint(load, model)
+    opt_config = OptimizerConfig(optimizer="adam", lr=3e-3, clip_grad=0.05, **(optimizer or {}))
+    return config, model, build_optimizer(opt_config, model, config)
+
+
+def table_optimizer(optimizer):
+    """The Engram table optimizer in a chain that ``build_optimizer`` returned."""
+    from engram_train.training.engram_optimizer import EngramTableOptimizer
+
+    return next(o for o in optimizer.chained_optimizers if isinstance(o, EngramTableOptimizer))
 
 
 def with_hash_ids(batches, layer_ids):

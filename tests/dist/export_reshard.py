@@ -21,7 +21,7 @@ from common import parse_args, write_result
 from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
-from engram_train.checkpointing import (
+from engram_train.checkpoint import (
     iteration_dir,
     latest_iteration,
     load_checkpoint,

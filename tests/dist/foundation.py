@@ -21,7 +21,7 @@ from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig
 
-from engram_train.checkpointing import load_checkpoint, save_checkpoint
+from engram_train.checkpoint import load_checkpoint, save_checkpoint
 from engram_train.models.builder import build_model
 from engram_train.training.optimizer import build_optimizer
 from engram_train.training.step import train_step

@@ -22,19 +22,15 @@ import torch
 import torch.distributed as dist
 from common import SEQ, VOCAB, parse_args, write_result
 from embedding_parallel_training import reassemble
-from engram_integration import dp_share_of_step, engram_config
+from engram_integration import build_engram_training, dp_share_of_step, engram_config, table_optimizer
 
 from engram_train.runtime import ParallelSizes, initialize_distributed
 
 from megatron.core import parallel_state
-from megatron.core.distributed import DistributedDataParallelConfig
-from megatron.core.optimizer import OptimizerConfig
 
-from engram_train.checkpointing import load_checkpoint, save_checkpoint
+from engram_train.checkpoint import load_checkpoint, save_checkpoint
 from engram_train.engram.host_table import HOST_TABLE_TIMES, is_host_resident
 from engram_train.models.builder import build_model
-from engram_train.training.engram_optimizer import EngramTableOptimizer
-from engram_train.training.optimizer import build_optimizer
 from engram_train.training.step import train_step
 
 LAYER_IDS = [1, 3]
@@ -59,21 +55,10 @@ def batches_of_step(step: int):
 
 
 def setup(root, method, sizes, sp, overrides, placement):
-    parallel_state.destroy_model_parallel()
-    initialize_distributed(sizes, seed=3)
-    config = engram_config(sizes, LAYER_IDS, sp=sp, engram_embedding_parallel_method=method,
-                           engram_embedding_parallel_size=sizes.engram_embedding,
-                           engram_table_placement=placement, **overrides)
-    model = build_model(config, VOCAB, SEQ, DistributedDataParallelConfig(grad_reduce_in_fp32=True))
-    config.no_sync_func = model[0].no_sync
-    load_checkpoint(root, model)
-    optimizer = build_optimizer(
-        OptimizerConfig(optimizer="adam", lr=3e-3, clip_grad=0.05), model, config)
+    _, model, optimizer = build_engram_training(
+        sizes, LAYER_IDS, method=method, sp=sp, seed=3, load=root,
+        engram_table_placement=placement, **overrides)
     return model, optimizer
-
-
-def table_optimizer(optimizer) -> EngramTableOptimizer:
-    return next(o for o in optimizer.chained_optimizers if isinstance(o, EngramTableOptimizer))
 
 
 def train(model, optimizer, steps):

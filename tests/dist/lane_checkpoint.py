@@ -62,7 +62,7 @@ def step(model, optimizer) -> float:
 
 
 def save(directory: Path) -> None:
-    from engram_train.checkpointing import save_checkpoint
+    from engram_train.checkpoint import save_checkpoint
     from engram_train.runtime import ParallelSizes, initialize_distributed
 
     initialize_distributed(ParallelSizes(), seed=5)
@@ -78,7 +78,7 @@ def save(directory: Path) -> None:
 
 
 def load_all(out: str) -> None:
-    from engram_train.checkpointing import load_checkpoint
+    from engram_train.checkpoint import load_checkpoint
     from engram_train.runtime import ParallelSizes, initialize_distributed
 
     initialize_distributed(ParallelSizes(), seed=77)

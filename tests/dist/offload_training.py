@@ -38,7 +38,7 @@ from engram_train.runtime import ParallelSizes, initialize_distributed
 from megatron.core import parallel_state
 from megatron.core.optimizer import OptimizerConfig
 
-from engram_train.checkpointing import load_checkpoint, save_checkpoint
+from engram_train.checkpoint import load_checkpoint, save_checkpoint
 from engram_train.parallel import groups
 from engram_train.models.table_params import engram_table_params
 from engram_train.training.engram_optimizer import EngramTableOptimizer, engram_table_param_group

@@ -18,18 +18,15 @@ import torch
 import torch.distributed as dist
 from common import SEQ, VOCAB, parse_args, write_result
 from embedding_parallel_training import reassemble
-from engram_integration import dp_share_of_step, engram_config
+from engram_integration import build_engram_training, dp_share_of_step, engram_config
 
 from engram_train.runtime import ParallelSizes, initialize_distributed
 
 from megatron.core import parallel_state
-from megatron.core.distributed import DistributedDataParallelConfig
-from megatron.core.optimizer import OptimizerConfig
 
-from engram_train.checkpointing import load_checkpoint, save_checkpoint
+from engram_train.checkpoint import save_checkpoint
 from engram_train.models.builder import build_model
 from engram_train.parallel.lookup import LOOKUP_TIMES
-from engram_train.training.optimizer import build_optimizer
 from engram_train.training.step import train_step
 
 LAYER_IDS = [1, 3]
@@ -54,19 +51,9 @@ def batches_of_step(step: int):
 
 
 def run(root, method, sizes, sp, overrides, steps, prefetch):
-    parallel_state.destroy_model_parallel()
-    initialize_distributed(sizes, seed=3)
-    extra = dict(overrides)
-    if sizes.virtual_pipeline:
-        extra["virtual_pipeline_model_parallel_size"] = sizes.virtual_pipeline
-    config = engram_config(sizes, LAYER_IDS, sp=sp, engram_embedding_parallel_method=method,
-                           engram_embedding_parallel_size=sizes.engram_embedding,
-                           engram_prefetch=prefetch, **extra)
-    model = build_model(config, VOCAB, SEQ, DistributedDataParallelConfig(grad_reduce_in_fp32=True))
-    config.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
-    load_checkpoint(root, model)
-    optimizer = build_optimizer(
-        OptimizerConfig(optimizer="adam", lr=3e-3, clip_grad=0.05), model, config)
+    _, model, optimizer = build_engram_training(
+        sizes, LAYER_IDS, method=method, sp=sp, seed=3, load=root, engram_prefetch=prefetch,
+        **overrides)
     LOOKUP_TIMES.reset()
     losses, norms = [], []
     for step in range(steps):

@@ -41,7 +41,7 @@ from megatron.core.distributed import DistributedDataParallelConfig, finalize_mo
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.utils import unwrap_model
 
-from engram_train import checkpointing as ckpt
+from engram_train import checkpoint as ckpt
 from engram_train.config import EngramMLATransformerConfig
 from engram_train.models.builder import build_model
 from engram_train.training.faults import SkipNonFiniteUpdate
@@ -89,7 +89,7 @@ def params(model) -> dict:
 def optimizer_states(model, optimizer) -> dict:
     """{key: tensor} of megatron's optimizers' state in model space (fully reshardable), keys
     without the chain prefix, gathered on every rank; plus the table optimizer's steps."""
-    parts, tables = ckpt._optimizer_parts(optimizer)
+    parts, tables = ckpt.optimizer_parts(optimizer)
     out = {}
     for part in parts:
         sd = part.sharded_state_dict(ckpt.model_sharded_state_dict(model), is_loading=False,

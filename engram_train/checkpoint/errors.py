@@ -1,0 +1,19 @@
+"""The checkpoint errors: each message names the file and what to do."""
+
+from __future__ import annotations
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be saved or loaded; the message names the file and what to do."""
+
+
+class DamagedCheckpointError(CheckpointError):
+    """A checkpoint's files differ from what its manifest recorded (or cannot be read)."""
+
+
+class CheckpointSpaceError(CheckpointError):
+    """Not enough free space to save a checkpoint (checked before, or ENOSPC while writing)."""
+
+
+class NonFiniteStateError(CheckpointError):
+    """Parameters hold NaN or inf: such a state is never saved."""

@@ -1,0 +1,91 @@
+"""Loading one checkpoint directory (every rank), or the newest intact one under a save root.
+
+Model keys are megatron's sharded keys (global layer numbers) and the optimizer state is saved
+fully reshardable, so save and load layouts can differ. ``load_engram=False`` loads everything
+but Engram (``partial.py``). A checkpoint megatron-core 0.19 wrote loads under 0.16 through the
+``embedded_common_state`` patch (runtime/patches.py).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from megatron.core import dist_checkpointing
+from torch.distributed.checkpoint.api import CheckpointException
+
+from engram_train.checkpoint.errors import CheckpointError, DamagedCheckpointError
+from engram_train.checkpoint.layout import TRACKER, iteration_dir
+from engram_train.checkpoint.manifest import check_checkpoint
+from engram_train.checkpoint.selection import select_checkpoint
+from engram_train.checkpoint.partial import load_without_engram
+from engram_train.checkpoint.state import check_loaded, full_sharded_state_dict, load_chunks
+
+
+def load_checkpoint_dir(
+    ckpt: str | os.PathLike,
+    model: list[torch.nn.Module],
+    optimizer=None,
+    *,
+    strict: bool = True,
+    load_engram: bool = True,
+) -> tuple[int, dict[str, Any]]:
+    """Load one checkpoint directory into ``model`` (and ``optimizer``) in place.
+
+    Returns (iteration, extra). With ``load_engram=False`` Engram parameters and their
+    optimizer state are neither read nor required: they keep their current values, and a
+    checkpoint saved with or without Engram loads into a model with or without it.
+    """
+    ckpt = Path(ckpt)
+    if not ckpt.is_dir():
+        raise FileNotFoundError(f"checkpoint directory {ckpt} does not exist")
+    try:
+        if not load_engram:
+            return load_without_engram(ckpt, model, optimizer)
+        state = full_sharded_state_dict(model, optimizer, is_loading=True)
+        state["iteration"] = None
+        state["extra"] = None
+        loaded = dist_checkpointing.load(
+            state, str(ckpt), strict="raise_all" if strict else "assume_ok_unexpected"
+        )
+    except CheckpointError:
+        raise
+    except (Exception, CheckpointException) as e:
+        raise CheckpointError(f"loading {ckpt} failed: {type(e).__name__}: {e}") from e
+    load_chunks(model, loaded, strict)
+    if optimizer is not None:
+        optimizer.load_state_dict(loaded["optimizer"])
+    check_loaded(ckpt, model)
+    return int(loaded["iteration"]), loaded.get("extra") or {}
+
+
+def load_checkpoint(
+    root: str | os.PathLike,
+    model: list[torch.nn.Module],
+    optimizer=None,
+    iteration: int | None = None,
+    strict: bool = True,
+    *,
+    load_engram: bool = True,
+    checksums: bool = True,
+    fallback: bool = False,
+) -> tuple[int, dict[str, Any]]:
+    """Load the newest intact checkpoint under ``root`` (or ``iteration``); (iteration, extra).
+
+    The files are checked against the manifest first (`select_checkpoint`)."""
+    if iteration is None:
+        selection = select_checkpoint(root, fallback=fallback, checksums=checksums)
+        if selection is None:
+            raise FileNotFoundError(
+                f"no checkpoint in {root}: neither {TRACKER} nor a complete iter_* directory; "
+                "set checkpoint.load to a directory written by checkpoint.save"
+            )
+        path = selection.path
+    else:
+        path = iteration_dir(root, iteration)
+        problems = check_checkpoint(path, checksums=checksums)
+        if problems:
+            raise DamagedCheckpointError(f"checkpoint {path} is damaged:\n  " + "\n  ".join(problems))
+    return load_checkpoint_dir(path, model, optimizer, strict=strict, load_engram=load_engram)

@@ -1,0 +1,129 @@
+"""Loading everything but Engram: the continued-pretraining recipe of
+docs/engram-integration.md (backbone weights and their optimizer state from the checkpoint,
+Engram keeps its fresh initialisation), and the way a checkpoint saved with Engram loads into a
+model without it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.dict_utils import (
+    dict_list_map_inplace,
+    extract_matching_values,
+    merge,
+)
+from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedTensor
+from megatron.core.dist_checkpointing.utils import add_prefix_for_sharding
+from megatron.core.optimizer import ChainedOptimizer
+
+from engram_train.checkpoint.errors import CheckpointError
+from engram_train.checkpoint.state import (
+    OPTIMIZER_METADATA,
+    check_loaded,
+    is_engram_key,
+    load_chunks,
+    model_sharded_state_dict,
+)
+
+
+def optimizer_parts(optimizer) -> tuple[list, list]:
+    """(megatron's optimizers, Engram table optimizers) of what `build_optimizer` returned."""
+    from engram_train.training.engram_optimizer import EngramTableOptimizer
+
+    chain = optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
+    parts = [o for o in chain if not isinstance(o, EngramTableOptimizer)]
+    tables = [o for o in chain if isinstance(o, EngramTableOptimizer)]
+    if chain[: len(parts)] != parts:
+        raise CheckpointError("the Engram table optimizer must come after megatron's in the chain")
+    return parts, tables
+
+
+def _optimizer_request(ckpt: Path, model, parts: list, is_engram) -> tuple[bool, dict, dict]:
+    """(whether the checkpoint holds a chain, the Engram entries to start afresh, the request
+    for everything else) of megatron's optimizers ``parts``, under the checkpoint's key layout."""
+    tensors = dist_checkpointing.load_tensors_metadata(str(ckpt))
+    chained = any(key.startswith("chained_") for key in tensors)
+    reference = model_sharded_state_dict(model)
+    requests = []
+    for i, part in enumerate(parts):
+        sd = part.sharded_state_dict(dict(reference), is_loading=True, metadata=OPTIMIZER_METADATA)
+        if chained:
+            add_prefix_for_sharding(sd, f"chained_{i}.")
+        requests.append(sd)
+    if not chained and len(parts) != 1:
+        raise CheckpointError(
+            f"{ckpt} holds one optimizer's state but this run has {len(parts)} (MoE expert "
+            "and dense parameters apart): load it with the layout it was saved with"
+        )
+    request = {i: sd for i, sd in enumerate(requests)} if chained else requests[0]
+    fresh, request = extract_matching_values(request, is_engram)
+    return chained, fresh, request
+
+
+def load_without_engram(ckpt: Path, model, optimizer) -> tuple[int, dict[str, Any]]:
+    """Everything but Engram: see `load_checkpoint_dir`.
+
+    megatron's optimizers (not the Engram table optimizer) are requested under the key layout
+    the checkpoint has: a single optimizer's keys carry no prefix, a chain's (several
+    optimizers, or any Engram checkpoint) carry ``chained_<i>.``. The optimizer state of
+    Engram's dense parameters (which sit in megatron's optimizer) is not read: its Adam moments
+    start at zero and its fp32 master copy is the parameter as initialised.
+    """
+
+    def is_engram(x) -> bool:
+        return isinstance(x, ShardedBase) and is_engram_key(x.key)
+
+    state = model_sharded_state_dict(model)
+    _, state = extract_matching_values(state, is_engram)
+    # Engram's weights as they are now: preparing megatron's optimizer for a load runs a dummy
+    # step (runtime/megatron_fixes.py) whose weight decay would otherwise reach them.
+    engram_live = {
+        sh.key: sh.data
+        for chunk in model_sharded_state_dict(model).values()
+        for sh in chunk.values()
+        if isinstance(sh, ShardedTensor) and is_engram_key(sh.key)
+    }
+    initial_engram = {key: data.detach().clone() for key, data in engram_live.items()}
+    parts, fresh_optim, chained = [], {}, False
+    if optimizer is not None:
+        parts, _ = optimizer_parts(optimizer)
+        chained, fresh_optim, state["optimizer"] = _optimizer_request(ckpt, model, parts, is_engram)
+    state["iteration"] = None
+    state["extra"] = None
+
+    loaded, not_in_ckpt, not_requested = dist_checkpointing.load(
+        state, str(ckpt), strict="return_all"
+    )
+    not_in_ckpt = sorted(k for k in not_in_ckpt if not is_engram_key(k))
+    not_requested = sorted(k for k in not_requested if not is_engram_key(k))
+    if not_in_ckpt or not_requested:
+        raise CheckpointError(
+            f"{ckpt} does not match this model beyond Engram: missing {not_in_ckpt[:5]}, "
+            f"unexpected {not_requested[:5]} ({len(not_in_ckpt)} and {len(not_requested)} keys)"
+        )
+    missing, unexpected = load_chunks(model, loaded, strict=False)
+    other = [k for k in missing + unexpected if not is_engram_key(f".{k}") and "_extra_state" not in k]
+    if other:
+        raise CheckpointError(f"{ckpt}: model keys {other[:5]} did not load")
+    if optimizer is not None:
+
+        def initial(sh):
+            if not isinstance(sh, ShardedTensor):
+                raise CheckpointError(f"cannot initialise optimizer state {sh.key} afresh")
+            kind, _, name = sh.key.split("optimizer.state.", 1)[1].partition(".")
+            if kind == "param":  # the fp32 master copy: the parameter as initialised
+                return initial_engram[name].to(sh.data.dtype).view_as(sh.data).clone()
+            return torch.zeros_like(sh.data)
+
+        dict_list_map_inplace(initial, fresh_optim)
+        merge(loaded["optimizer"], fresh_optim)
+        for i, part in enumerate(parts):
+            part.load_state_dict(loaded["optimizer"][i] if chained else loaded["optimizer"])
+    with torch.no_grad():
+        for key, data in engram_live.items():
+            data.copy_(initial_engram[key])
+    check_loaded(ckpt, model)
+    return int(loaded["iteration"]), loaded.get("extra") or {}

@@ -1,0 +1,122 @@
+"""What a checkpoint holds: megatron sharded state dicts of the model (and optimizer), which of
+their entries are Engram's, and how large a checkpoint of a model is."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import is_main_replica
+from megatron.core.utils import unwrap_model
+
+from engram_train.checkpoint.errors import DamagedCheckpointError
+from engram_train.checkpoint.manifest import rank_world
+
+# "fully_reshardable": the distributed optimizer's state is saved per model parameter, so a
+# checkpoint loads under another (TP, PP, EP, DP) layout.
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+# Engram's parameters sit in each Engram layer's child module ``engram``
+# (models/engram_layer.py), so their sharded keys, and the optimizer-state keys megatron derives
+# from them, contain this part. Keys of a checkpoint can only be told apart by name: the model
+# loading them may have no Engram at all.
+ENGRAM_KEY_PART = ".engram."
+
+
+def is_engram_key(key: str) -> bool:
+    """Whether a sharded-state key (model or optimizer state) belongs to Engram."""
+    return ENGRAM_KEY_PART in key
+
+
+def model_sharded_state_dict(model: list[torch.nn.Module]) -> dict[str, Any]:
+    """Keys as Megatron-LM writes them: ``model`` (or ``model0``, ``model1``... with VPP).
+
+    Engram models are saved with global layer numbers in their keys (megatron's
+    ``non_homogeneous_layers``): only some layers carry Engram, and the Engram tables are
+    row-sharded tensors of their own (``MultiHeadEmbedding.sharded_state_dict``).
+    """
+    chunks = unwrap_model(model)
+
+    def state(chunk):
+        if getattr(chunk.config, "use_engram", False):
+            return chunk.sharded_state_dict(metadata={"non_homogeneous_layers": True})
+        return chunk.sharded_state_dict()
+
+    if len(chunks) == 1:
+        return {"model": state(chunks[0])}
+    return {f"model{i}": state(chunk) for i, chunk in enumerate(chunks)}
+
+
+def full_sharded_state_dict(model, optimizer, is_loading: bool) -> dict[str, Any]:
+    state = model_sharded_state_dict(model)
+    if optimizer is not None:
+        # The optimizer finds each parameter's sharding in the nested model dicts (all chunks).
+        state["optimizer"] = optimizer.sharded_state_dict(
+            dict(state), is_loading=is_loading, metadata=OPTIMIZER_METADATA
+        )
+    return state
+
+
+def estimate_checkpoint_bytes(model: list[torch.nn.Module]) -> int:
+    """Bytes a checkpoint of ``model`` takes, about: every tensor once (main replicas over all
+    ranks) plus Adam's state of each parameter (two fp32 moments, and an fp32 master copy except
+    for fp32 Engram tables, whose optimizer keeps none). Collective."""
+    from engram_train.runtime.distributed import device
+
+    total = 0
+    for sh in nested_values(model_sharded_state_dict(model)):
+        data = getattr(sh, "data", None)
+        if not (isinstance(data, torch.Tensor) and is_main_replica(sh.replica_id)):
+            continue
+        state = 0
+        if data.requires_grad:
+            table_fp32 = sh.key.endswith("multi_head_embedding.weight") and data.element_size() == 4
+            state = 8 if table_fp32 else 12
+        total += data.numel() * (data.element_size() + state)
+    if dist.is_initialized():
+        t = torch.tensor([float(total)], dtype=torch.float64, device=device())
+        dist.all_reduce(t)
+        total = int(t.item())
+    return total
+
+
+def nonfinite_parameter(model: list[torch.nn.Module]) -> tuple[int, str] | None:
+    """(rank, name) of a parameter holding NaN or inf on any rank, else None. Collective."""
+    bad = None
+    for chunk in unwrap_model(model):
+        for name, param in chunk.named_parameters():
+            if not bool(torch.isfinite(param.detach()).all()):
+                bad = name
+                break
+        if bad:
+            break
+    rank, world = rank_world()
+    found = [bad]
+    if world > 1:
+        found = [None] * world
+        dist.all_gather_object(found, bad)
+    return next(((r, name) for r, name in enumerate(found) if name), None)
+
+
+def load_chunks(model, loaded: dict, strict: bool) -> tuple[list[str], list[str]]:
+    chunks = unwrap_model(model)
+    missing, unexpected = [], []
+    for i, chunk in enumerate(chunks):
+        result = chunk.load_state_dict(loaded["model" if len(chunks) == 1 else f"model{i}"], strict=strict)
+        if not strict:
+            missing += result.missing_keys
+            unexpected += result.unexpected_keys
+    return missing, unexpected
+
+
+def check_loaded(ckpt: Path, model) -> None:
+    bad = nonfinite_parameter(model)
+    if bad:
+        raise DamagedCheckpointError(
+            f"checkpoint {ckpt} loaded NaN or inf into parameter {bad[1]} (rank {bad[0]}): it is "
+            "damaged, and its files were not verified against a manifest (checkpoint.verify=false, "
+            "or saved before manifests existed). Use another checkpoint; with verification on, "
+            "checkpoint.load_fallback=true passes over damaged ones"
+        )

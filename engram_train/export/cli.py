@@ -1,0 +1,72 @@
+"""engram-export's command line (python -m engram_train.export)."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+from engram_train.export.errors import ExportError
+from engram_train.export.exporter import DEFAULT_SHARD_BYTES, TABLE_DTYPES, export_checkpoint
+
+
+def _parse_size(text: str) -> int:
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B)?\s*", text, re.IGNORECASE)
+    if not match:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 5GB or 500MB")
+    scale = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}[match.group(2).upper()]
+    return int(float(match.group(1)) * scale)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="engram-export",
+        description="Export a trained Engram checkpoint for inference: Engram layers under the "
+                    "DeepSeek reference's names, hash constants, tokenizer and backbone "
+                    "(format: docs/export.md).",
+    )
+    parser.add_argument("--load", required=True, metavar="CKPT_DIR",
+                        help="checkpoint.save folder of the run (or one iter_XXXXXXX folder)")
+    parser.add_argument("--out", required=True, metavar="DIR", help="export folder to create")
+    parser.add_argument("--iteration", type=int, default=None,
+                        help="iteration to export (default: the latest complete one)")
+    parser.add_argument("--config", default=None, metavar="YAML",
+                        help="the run's resolved config.yaml (engram-train writes it into "
+                             "experiment.exp_dir); found next to CKPT_DIR when omitted")
+    parser.add_argument("--tokenizer", default=None, metavar="PATH",
+                        help="tokenizer.json (or its folder) if the run config's "
+                             "engram_tokenizer_name_or_path does not resolve from here")
+    parser.add_argument("--table-dtype", choices=sorted(TABLE_DTYPES), default=None,
+                        help="store the Engram tables in this dtype (default: as trained)")
+    parser.add_argument("--max-shard-size", type=_parse_size, default=DEFAULT_SHARD_BYTES,
+                        metavar="SIZE", help="largest backbone file, e.g. 5GB (default)")
+    parser.add_argument("--format", choices=["engram", "hf"], default="engram",
+                        help="engram (default): this project's inference export; hf: a "
+                             "transformers model folder (docs/huggingface.md)")
+    parser.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    parser.add_argument("--no-verify", dest="verify", action="store_false",
+                        help="skip the SHA-256 of every checkpoint file against its manifest "
+                             "(sizes are still compared); for very large checkpoints")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.format == "hf":
+            from engram_train.hf.export import export_hf
+
+            export_hf(args.load, args.out, iteration=args.iteration, config=args.config,
+                      tokenizer=args.tokenizer, force=args.force,
+                      max_shard_bytes=args.max_shard_size, verify=args.verify)
+            return
+        export_checkpoint(
+            args.load, args.out, iteration=args.iteration, config=args.config,
+            tokenizer=args.tokenizer, force=args.force, table_dtype=args.table_dtype,
+            max_shard_bytes=args.max_shard_size, verify=args.verify,
+        )
+    except ExportError as err:
+        raise SystemExit(f"engram-export: error: {err}") from None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""The mHC backbone's fields (``docs/mhc.md``) and their rules, composed into the megatron
+configs by ``engram_train.config``; also the int check every config module shares."""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+from typing import Any
+
+
+def require_int(name: str, value: Any, element: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        what = "entries" if element else "value"
+        raise TypeError(f"{name} {what} must be int, got {value!r}.")
+
+
+@dataclass
+class HyperConnectionConfig:
+    """mHC fields of the backbone (``docs/mhc.md``), under upstream megatron-core's names (it
+    adds them after 0.19), so that a config written for upstream means the same here."""
+
+    enable_hyper_connections: bool = False
+    """Multi-stream residual (DeepSeek's mHC): every attention and MLP/MoE sublayer reads and
+    writes `num_residual_streams` streams through learned mappings."""
+
+    num_residual_streams: int = 4
+    """n: residual streams with mHC on (DeepSeek: 4)."""
+
+    mhc_sinkhorn_iterations: int = 20
+    """Sinkhorn iterations that make the stream-mixing matrix doubly stochastic."""
+
+    mhc_init_gating_factor: float = 0.01
+    """Initial `scale` of the mappings (0: the mappings start as constants, and an n-stream
+    model without Engram computes the single-stream model's function)."""
+
+
+def check_hyper_connections(config) -> None:
+    """mHC rules, and `engram_hc_mult` resolved from the backbone (before Engram's checks)."""
+    if not isinstance(config.enable_hyper_connections, bool):
+        raise TypeError(
+            f"enable_hyper_connections must be a bool, got {config.enable_hyper_connections!r}."
+        )
+    for name in ("num_residual_streams", "mhc_sinkhorn_iterations"):
+        require_int(name, getattr(config, name))
+    value = config.mhc_init_gating_factor
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"mhc_init_gating_factor must be a number, got {value!r}.")
+    config.mhc_init_gating_factor = float(value)
+    streams = config.num_residual_streams if config.enable_hyper_connections else 1
+    hc_mult = config.engram_hc_mult
+    if config.enable_hyper_connections:
+        if config.num_residual_streams < 2:
+            raise ValueError(
+                f"num_residual_streams={config.num_residual_streams} must be >= 2 with "
+                "enable_hyper_connections=true (DeepSeek uses 4); or set "
+                "enable_hyper_connections: false"
+            )
+        if config.mhc_sinkhorn_iterations < 1:
+            raise ValueError(
+                f"mhc_sinkhorn_iterations={config.mhc_sinkhorn_iterations} must be >= 1 (20)."
+            )
+        if config.mhc_init_gating_factor < 0:
+            raise ValueError(
+                f"mhc_init_gating_factor={config.mhc_init_gating_factor} must be >= 0 (0.01)."
+            )
+        if getattr(config, "mtp_num_layers", None):
+            raise ValueError(
+                "enable_hyper_connections=true with mtp_num_layers: multi-token prediction "
+                "layers take a single-stream input; set mtp_num_layers: null"
+            )
+        if (config.recompute_granularity == "selective"
+                and "layernorm" in (config.recompute_modules or [])):
+            raise ValueError(
+                "enable_hyper_connections=true with recompute_modules containing 'layernorm': "
+                "the mHC layer does not recompute its norms; drop 'layernorm' (core_attn, mlp, "
+                "moe and the other modules are recomputed as usual)"
+            )
+        if getattr(config, "cuda_graph_impl", "none") not in (None, "none"):
+            raise ValueError(
+                f"enable_hyper_connections=true with cuda_graph_impl={config.cuda_graph_impl!r}: "
+                "CUDA graphs of the mHC layer are not supported; set cuda_graph_impl: none"
+            )
+        if hc_mult is not None and hc_mult != streams:
+            raise ValueError(
+                f"engram_hc_mult={hc_mult} differs from num_residual_streams={streams}: the "
+                "Engram branch reads and writes every residual stream. Leave engram_hc_mult "
+                f"unset (null: it follows the backbone) or set it to {streams}"
+            )
+    elif hc_mult is not None and hc_mult != 1 and config.use_engram:
+        raise ValueError(
+            f"engram_hc_mult={hc_mult} needs a multi-stream backbone: set "
+            f"enable_hyper_connections: true and num_residual_streams: {hc_mult}, or leave "
+            "engram_hc_mult unset (null) / 1 for the single-stream backbone"
+        )
+    if hc_mult is None:
+        config.engram_hc_mult = streams
