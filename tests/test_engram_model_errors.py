@@ -50,7 +50,6 @@ def test_hc_mult_follows_the_residual_streams():
     (dict(mhc_sinkhorn_iterations=0), r"mhc_sinkhorn_iterations=0 must be >= 1"),
     (dict(mhc_init_gating_factor=-0.1), r"mhc_init_gating_factor=-0.1 must be >= 0"),
     (dict(mtp_num_layers=1), r"mtp_num_layers"),
-    (dict(context_parallel_size=2, use_engram=False), r"context_parallel_size=2"),
     (dict(recompute_granularity="selective", recompute_modules=["core_attn", "layernorm"]),
      r"drop 'layernorm'"),
 ])
@@ -66,9 +65,11 @@ def test_hyper_connection_types_are_checked():
         make(enable_hyper_connections=True, num_residual_streams=4.0)
 
 
-def test_context_parallel_is_rejected():
-    with pytest.raises(ValueError, match="context_parallel_size=2"):
-        make(context_parallel_size=2)
+def test_context_parallel_is_accepted_but_not_hybrid():
+    assert make(context_parallel_size=2).context_parallel_size == 2
+    assert make(context_parallel_size=2, enable_hyper_connections=True).context_parallel_size == 2
+    with pytest.raises(ValueError, match="hybrid_context_parallel"):
+        make(context_parallel_size=2, hybrid_context_parallel=True)
 
 
 def test_fp16_is_rejected_with_engram_only():

@@ -1,7 +1,8 @@
 """Layer specs for a DeepSeek-V3-style backbone (MLA, MoE with shared experts, RMSNorm).
 
 TE spec when Transformer Engine and CUDA are present; otherwise megatron's own local spec
-with two module classes swapped for CPU-capable ones (see ``local_modules``). The swap walks
+with two module classes swapped for CPU-capable ones (see ``local_modules``; under context
+parallelism the core attention is ``context_attention.ContextParallelCoreAttention``). The swap walks
 the spec tree, so every other choice megatron makes (MoE vs dense per layer, pipeline
 slicing, MLA submodules) stays megatron's.
 """
@@ -27,6 +28,16 @@ LOCAL_SUBSTITUTIONS: dict[type, type] = {
     DotProductAttention: SDPACoreAttention,
     WrappedTorchNorm: RMSNorm,
 }
+
+
+def local_substitutions(config: TransformerConfig) -> dict[type, type]:
+    """The local spec's swaps; under context parallelism the core attention is the CP one
+    (megatron's local attention refuses CP; with TE, TE's CP attention is used instead)."""
+    if config.context_parallel_size > 1:
+        from engram_train.models.context_attention import ContextParallelCoreAttention
+
+        return {**LOCAL_SUBSTITUTIONS, DotProductAttention: ContextParallelCoreAttention}
+    return LOCAL_SUBSTITUTIONS
 
 
 def use_transformer_engine() -> bool:
@@ -66,7 +77,7 @@ def deepseek_v3_block_spec(
         vp_stage=vp_stage, pp_rank=pp_rank,
     )
     if not use_te:
-        spec = substitute_modules(spec, LOCAL_SUBSTITUTIONS)
+        spec = substitute_modules(spec, local_substitutions(config))
     if getattr(config, "enable_hyper_connections", False):
         spec = hyper_connection_block_spec(spec)
     return spec

@@ -46,6 +46,8 @@ def _device_to_cpu(fn: Callable) -> Callable:
     def wrapper(*args, **kwargs):
         if "device" in kwargs:
             kwargs["device"] = _cpu_device(kwargs["device"])
+        if kwargs.get("pin_memory"):  # no pinned allocator without CUDA (megatron's CP RoPE)
+            kwargs["pin_memory"] = False
         return fn(*args, **kwargs)
 
     return wrapper

@@ -15,6 +15,8 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from engram_train.parallel.context import context_parallel_batch
+
 Batch = dict[str, Any]
 
 
@@ -49,7 +51,9 @@ def model_inputs(batch: Batch, device: torch.device) -> dict[str, Any]:
 
 
 def forward_step(data_iterator: Iterable[Batch], model: torch.nn.Module):
-    batch = next(data_iterator)
+    # Context parallelism: every CP rank reads the whole micro-batch (hashed on the whole
+    # sequence) and keeps its zigzag chunks of tokens, labels, mask and hash ids.
+    batch = context_parallel_batch(next(data_iterator))
     device = next(model.parameters()).device
     output = model(**model_inputs(batch, device))
     loss_mask = batch["loss_mask"]
@@ -66,11 +70,13 @@ class StepResult:
 
 
 def reduce_lm_loss(losses: Sequence[dict]) -> tuple[float | None, int]:
-    """Token-mean loss over micro-batches and data-parallel ranks (last stage only)."""
+    """Token-mean loss over micro-batches and data-parallel ranks (last stage only); context-
+    parallel ranks hold different tokens of the same sequences and are summed too."""
     if not losses:
         return None, 0
     total = torch.stack([d["lm loss"] for d in losses]).sum(0)
-    torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group())
+    torch.distributed.all_reduce(
+        total, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
     return (total[0] / total[1].clamp(min=1)).item(), int(total[1].item())
 
 
