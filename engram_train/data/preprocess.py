@@ -153,6 +153,33 @@ def iter_documents(
             yield "".join(block).rstrip("\n")
 
 
+def _read_documents(paths: list[Path], flush, documents_so_far, progress: bool, bad_lines,
+                    options: dict) -> None:
+    """Every non-blank document of ``paths`` to ``flush`` in batches, with a progress bar; a
+    file that yields no document is refused (``documents_so_far()`` counts what was kept)."""
+    from tqdm import tqdm
+
+    # Progress counts decompressed bytes, so a total is known only without compressed inputs.
+    total = None if any(p.suffix == ".gz" for p in paths) else sum(p.stat().st_size for p in paths)
+    with tqdm(total=total, unit="B", unit_scale=True, desc="tokenize", disable=not progress) as bar:
+        for p in paths:
+            batch: list[str] = []
+            docs_before = documents_so_far()
+            for doc in iter_documents(p, on_bytes=bar.update, bad_lines=bad_lines, **options):
+                if doc.strip():
+                    batch.append(doc)
+                if len(batch) >= BATCH_DOCS:
+                    flush(batch)
+                    batch = []
+            flush(batch)
+            if documents_so_far() == docs_before:
+                skipped = " or only skipped lines" if bad_lines is not None and bad_lines.count else ""
+                raise PreprocessError(
+                    f"{p}: no documents (the file is empty, or holds only blank lines{skipped}): "
+                    "remove it from --input"
+                )
+
+
 def preprocess(
     inputs: list[str | os.PathLike],
     output_prefix: str | os.PathLike,
@@ -178,7 +205,6 @@ def preprocess(
         get_bin_path,
         get_idx_path,
     )
-    from tqdm import tqdm
 
     paths = [Path(p) for p in inputs]
     for p in paths:
@@ -209,29 +235,9 @@ def preprocess(
             n_docs += 1
             n_tokens += len(ids)
 
-    # Progress counts decompressed bytes, so a total is known only without compressed inputs.
-    total = None if any(p.suffix == ".gz" for p in paths) else sum(p.stat().st_size for p in paths)
     try:
-        with tqdm(total=total, unit="B", unit_scale=True, desc="tokenize", disable=not progress) as bar:
-            for p in paths:
-                batch: list[str] = []
-                docs_before = n_docs
-                for doc in iter_documents(
-                    p, input_format=input_format, json_key=json_key, text_doc=text_doc,
-                    on_bytes=bar.update, bad_lines=bad_lines,
-                ):  # fmt: skip
-                    if doc.strip():
-                        batch.append(doc)
-                    if len(batch) >= BATCH_DOCS:
-                        flush(batch)
-                        batch = []
-                flush(batch)
-                if n_docs == docs_before:
-                    skipped = " or only skipped lines" if bad_lines is not None and bad_lines.count else ""
-                    raise PreprocessError(
-                        f"{p}: no documents (the file is empty, or holds only blank lines{skipped}): "
-                        "remove it from --input"
-                    )
+        _read_documents(paths, flush, lambda: n_docs, progress, bad_lines,
+                        dict(input_format=input_format, json_key=json_key, text_doc=text_doc))
         builder.finalize(str(tmp_idx))
         # Replace the pair: the old .idx goes first, so an interruption leaves a .bin without
         # an .idx (refused by training) rather than a new .bin with the old .idx.
