@@ -1,0 +1,252 @@
+"""``engram-export --format hf``: a training checkpoint -> a transformers model folder.
+
+Without Engram (and mHC) the folder is a stock ``deepseek_v3`` one: ``config.json``, the
+weights under transformers' names in ``model-0000i-of-0000n.safetensors`` with
+``model.safetensors.index.json``, and the tokenizer. With Engram it is an
+``engram_deepseek_v3`` folder for `engram_train.hf.EngramDeepseekV3ForCausalLM`: the same plus
+each Engram layer's tensors under ``model.layers.<i>.engram.`` and the hash constants as exact
+int64 tensors. The checkpoint is read with the export's reader (any TP/PP/VPP/EP/eps layout,
+one stored shard in memory at a time, copied into memory maps of the output files), so every
+layout gives the same bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engram_train.export.checkpoint_reader import DistCheckpointReader, StoredTensor
+from engram_train.export.safetensors_io import SafetensorsWriter, TensorSpec
+from engram_train.hf.config_map import HFConfigError, hf_config
+from engram_train.hf.names import Piece, UnmappedTensorError, hf_pieces
+
+INDEX_FILE = "model.safetensors.index.json"
+FILE_METADATA = {"format": "pt"}
+ENGRAM_MODEL_TYPE = "engram_deepseek_v3"
+HASH_PREFIX = "model.engram_hash."
+
+
+def shard_file(index: int, count: int) -> str:
+    return f"model-{index:05d}-of-{count:05d}.safetensors"
+
+
+@dataclass
+class _Item:
+    """One checkpoint tensor and the transformers tensors cut from it."""
+
+    stored: StoredTensor
+    pieces: list[Piece]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(_numel(p.shape) for p in self.pieces) * _itemsize(self.stored.dtype)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def plan_items(reader: DistCheckpointReader, vocab_size: int) -> list[_Item]:
+    """Every model tensor of the checkpoint with its pieces (``_extra_state`` left out)."""
+    items = []
+    for key in reader.model_keys():
+        if key.endswith("_extra_state"):
+            continue
+        stored = reader.tensors[key]
+        try:
+            items.append(_Item(stored, hf_pieces(key, stored.shape, vocab_size)))
+        except UnmappedTensorError as err:
+            raise HFConfigError(str(err)) from None
+    return items
+
+
+def _scatter(writer: SafetensorsWriter, pieces: list[Piece]):
+    """`copy_chunks` destination: each stored chunk is read into a buffer (one chunk in
+    memory), then the parts of it that fall in a piece are copied into that piece's block."""
+
+    @contextlib.contextmanager
+    def block(offsets, lengths):
+        buffer = torch.empty(lengths, dtype=writer_dtype(writer, pieces))
+        yield buffer
+        for piece in pieces:
+            lo = [max(o, s) for o, s in zip(offsets, piece.start)]
+            hi = [min(o + n, s + z) for o, n, s, z in zip(offsets, lengths, piece.start, piece.size)]
+            if any(h <= lo_ for lo_, h in zip(lo, hi)):
+                continue
+            src = buffer
+            for dim, (a, b, o) in enumerate(zip(lo, hi, offsets)):
+                src = src.narrow(dim, a - o, b - a)
+            at = [a - s for a, s in zip(lo, piece.start)]
+            size = [b - a for a, b in zip(lo, hi)]
+            if piece.squeeze:
+                src, at, size = src[0], at[1:], size[1:]
+            with writer.region(piece.name, at, size) as target:
+                target.copy_(src)
+                del target
+
+    return block
+
+
+def writer_dtype(writer: SafetensorsWriter, pieces: list[Piece]) -> torch.dtype:
+    return writer.entries[pieces[0].name].dtype
+
+
+def _shards(items: list[_Item], extra_bytes: int, max_bytes: int) -> list[list[_Item]]:
+    shards: list[list[_Item]] = [[]]
+    size = extra_bytes
+    for item in items:
+        if shards[-1] and size + item.nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(item)
+        size += item.nbytes
+    return shards
+
+
+def write_weights(folder: Path, reader: DistCheckpointReader, items: list[_Item],
+                  extra: dict[str, torch.Tensor], max_shard_bytes: int) -> int:
+    """The safetensors shards and their index; `extra` (small tensors) go into the first
+    shard. Returns the total bytes."""
+    extra_bytes = sum(t.numel() * t.element_size() for t in extra.values())
+    shards = _shards(items, extra_bytes, max_shard_bytes)
+    weight_map, total = {}, extra_bytes
+    for index, shard in enumerate(shards, start=1):
+        name = shard_file(index, len(shards))
+        specs = [TensorSpec(p.name, item.stored.dtype, p.shape) for item in shard for p in item.pieces]
+        if index == 1:
+            specs += [TensorSpec(k, t.dtype, tuple(t.shape)) for k, t in extra.items()]
+        with SafetensorsWriter(folder / name, specs, FILE_METADATA) as writer:
+            for item in shard:
+                reader.copy_chunks(item.stored.key, _scatter(writer, item.pieces))
+                total += item.nbytes
+            if index == 1:
+                for k, t in extra.items():
+                    writer.write(k, t)
+        weight_map.update({s.name: name for s in specs})
+    (folder / INDEX_FILE).write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))},
+        indent=2) + "\n")
+    return total
+
+
+def engram_extras(plan) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config.json's ``engram`` section, the hash-constant tensors) of an Engram export plan."""
+    from engram_train.config import EngramConfig
+
+    engram, mapping = plan.engram, plan.mapping
+    section = {name: getattr(engram, name) for name in EngramConfig.field_names()
+               if name not in ("engram_tokenizer_name_or_path",)}
+    section = json.loads(json.dumps(section, default=list))
+    section.update(num_raw_ids=int(mapping.num_raw_ids), compressed_pad_id=int(mapping.pad_id),
+                   compressed_vocab_size=int(mapping.compressed_vocab_size))
+    tensors = {HASH_PREFIX + "lookup": torch.from_numpy(plan.tokenizer.lookup).to(torch.int64)}
+    for layer in mapping.layer_ids:
+        tensors[f"{HASH_PREFIX}multipliers_{layer}"] = torch.from_numpy(mapping.multipliers[layer])
+        tensors[f"{HASH_PREFIX}primes_{layer}"] = torch.from_numpy(mapping.primes[layer])
+    return section, tensors
+
+
+def write_tokenizer(folder: Path, tokenizer_file: Path, eos_token: str | None = None) -> None:
+    shutil.copyfile(tokenizer_file, folder / "tokenizer.json")
+    config = {"tokenizer_class": "PreTrainedTokenizerFast"}
+    if eos_token:
+        config["eos_token"] = eos_token
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _tokenizer_file(tokenizer, run_config: dict, where: str) -> Path:
+    from engram_train.engram.compressed_tokenizer import (
+        TokenizerNotFoundError,
+        resolve_tokenizer_file,
+    )
+    from engram_train.export.errors import ExportError
+
+    named = tokenizer or (run_config.get("data") or {}).get("tokenizer")
+    if not named:
+        raise ExportError(f"{where} names no data.tokenizer: pass --tokenizer")
+    try:
+        return resolve_tokenizer_file(named, field="--tokenizer")
+    except TokenizerNotFoundError as err:
+        raise ExportError(str(err)) from None
+
+
+def export_hf(load, out, *, iteration=None, config=None, tokenizer=None, force=False,
+              max_shard_bytes: int = 5 * 2**30, verify=True,
+              log: Callable[[str], None] | None = None) -> Path:
+    """Write checkpoint `load` as a transformers model folder `out` (module docstring)."""
+    from engram_train.data import load_tokenizer
+    from engram_train.export.config_source import find_run_config
+    from engram_train.export.errors import ExportError
+    from engram_train.export.exporter import plan_export
+    from engram_train.export.locate import resolve_checkpoint, verify_files
+    from engram_train.training.run_config import padded_vocab_size
+
+    log = log or (lambda message: print(f"engram-export: {message}", flush=True))
+    out = Path(out)
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise ExportError(f"--out {out} is not empty; pass --force to replace it")
+    root, directory, iteration = resolve_checkpoint(load, iteration)
+    reader = DistCheckpointReader(directory)
+    run_config, where = find_run_config(config, root, reader.common_state())
+    model = run_config.get("model", run_config)
+    if model.get("enable_hyper_connections"):
+        raise ExportError(f"{where}: model.enable_hyper_connections=true: the transformers classes "
+                          "here carry one residual stream; export mHC models in the default "
+                          "format")
+    plan = None
+    if model.get("use_engram"):
+        plan = plan_export(load, iteration=iteration, config=config, tokenizer=tokenizer,
+                           verify=verify, log=log)
+        tokenizer_file = plan.tokenizer_file
+    else:
+        verify_files(directory, checksums=verify, log=log)
+        tokenizer_file = _tokenizer_file(tokenizer, run_config, where)
+    vocab = padded_vocab_size(load_tokenizer(tokenizer_file).vocab_size, 1)
+    stored = reader.tensors["embedding.word_embeddings.weight"]
+    if stored.shape[0] < vocab:
+        raise ExportError(f"the checkpoint's embedding has {stored.shape[0]} rows, the tokenizer "
+                          f"{tokenizer_file} needs {vocab}: pass the run's tokenizer (--tokenizer)")
+    try:
+        document = hf_config(model, vocab, (run_config.get("train") or {}).get("seq_length"))
+        items = plan_items(reader, vocab)
+    except HFConfigError as err:
+        raise ExportError(f"{where}: {err}") from None
+    document["dtype"] = str(stored.dtype).removeprefix("torch.")
+    extra: dict[str, torch.Tensor] = {}
+    if plan is not None:
+        section, extra = engram_extras(plan)
+        document.update(model_type=ENGRAM_MODEL_TYPE, architectures=["EngramDeepseekV3ForCausalLM"],
+                        engram=section)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    try:
+        total = write_weights(tmp, reader, items, extra, max_shard_bytes)
+        (tmp / "config.json").write_text(json.dumps(document, indent=2, sort_keys=True) + "\n")
+        write_tokenizer(tmp, tokenizer_file)
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o777 & ~mask)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log(f"wrote {out} ({document['model_type']}, {len(items)} checkpoint tensors, "
+        f"{total / 2**20:.1f} MiB) from {directory} (iteration {iteration})")
+    return out

@@ -1,0 +1,212 @@
+"""Engram on transformers' DeepSeek-V3: ``EngramDeepseekV3ForCausalLM`` and its config.
+
+transformers' own DeepSeek-V3 classes with Engram added at ``engram_layer_ids``: those decoder
+layers first add ``Engram(h)`` to their input (``h = h + Engram(h, hash ids)``, as the
+trainer's Engram layer), then run the stock layer. The Engram branch is the project's
+`Engram` module, so its numerics are the trainer's; the hash constants are int64 buffers of
+the model (``model.engram_hash.*``), loaded with the weights.
+
+Cached decoding equals full recomputation: the n-gram hash of a new token reads the last N-1
+compressed ids of its sequence and the short conv its last (K-1)*N normalized values; both are
+kept with the KV cache (``cache.engram_state``) and start from pad ids and zeros, as the
+trainer's padding does. Without a cache every call starts a new sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, DeepseekV3Config
+from transformers.cache_utils import DynamicCache
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+    DeepseekV3DecoderLayer,
+    DeepseekV3ForCausalLM,
+    DeepseekV3Model,
+)
+
+from engram_train.engram.engram_module import Engram
+from engram_train.inference.incremental_hash import IncrementalNgramHasher
+from engram_train.inference.memory import _StreamingShortConv
+
+MODEL_TYPE = "engram_deepseek_v3"
+
+
+class EngramDeepseekV3Config(DeepseekV3Config):
+    """``DeepseekV3Config`` plus ``engram``: the run's Engram fields (``engram_layer_ids``,
+    ``max_ngram_size``, ...) and the tokenizer's ``num_raw_ids`` and ``compressed_pad_id``."""
+
+    model_type = MODEL_TYPE
+
+    def __init__(self, engram: dict | None = None, **kwargs) -> None:
+        self.engram = dict(engram or {})
+        super().__init__(**kwargs)
+
+
+def _engram_fields(config: EngramDeepseekV3Config) -> SimpleNamespace:
+    fields = dict(config.engram)
+    missing = [k for k in ("engram_layer_ids", "max_ngram_size", "n_head_per_ngram",
+                           "n_embed_per_ngram", "engram_vocab_size", "num_raw_ids") if k not in fields]
+    if missing:
+        raise ValueError(f"config.engram lacks {missing}: export the model with engram-export "
+                         "--format hf")
+    fields.setdefault("engram_hc_mult", 1)
+    fields["engram_hc_mult"] = fields["engram_hc_mult"] or 1
+    return SimpleNamespace(**fields)
+
+
+class EngramHash(nn.Module):
+    """The hash constants as buffers (exact int64), and the incremental hasher built on them."""
+
+    def __init__(self, fields: SimpleNamespace) -> None:
+        super().__init__()
+        self.fields = fields
+        self.layer_ids = sorted(int(i) for i in fields.engram_layer_ids)
+        heads = (fields.max_ngram_size - 1) * fields.n_head_per_ngram
+        self.register_buffer("lookup", torch.zeros(fields.num_raw_ids, dtype=torch.int64))
+        for layer in self.layer_ids:
+            self.register_buffer(f"multipliers_{layer}",
+                                 torch.zeros(fields.max_ngram_size, dtype=torch.int64))
+            self.register_buffer(f"primes_{layer}", torch.zeros(heads, dtype=torch.int64))
+        self._hasher = None
+
+    def hasher(self) -> IncrementalNgramHasher:
+        if self._hasher is None:  # the buffers hold the loaded constants by now
+            f = self.fields
+            self._hasher = IncrementalNgramHasher(
+                self.lookup.cpu().numpy(),
+                {i: getattr(self, f"multipliers_{i}").cpu().numpy() for i in self.layer_ids},
+                {i: getattr(self, f"primes_{i}").cpu().numpy() for i in self.layer_ids},
+                f.max_ngram_size, f.n_head_per_ngram, pad_id=f.compressed_pad_id,
+                eos_id=f.engram_eos_id if getattr(f, "engram_reset_at_eos", False) else None)
+        return self._hasher
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._hasher = None
+        super()._load_from_state_dict(*args, **kwargs)
+
+
+@dataclass
+class EngramCacheState:
+    """What decoding carries per sequence besides the KV cache."""
+
+    history: np.ndarray                 # [B, N-1] last compressed ids
+    conv: dict[int, torch.Tensor]       # layer -> [B, G*d, (K-1)*N] last normalized values
+    tokens: int = 0
+
+
+class EngramDeepseekV3DecoderLayer(DeepseekV3DecoderLayer):
+    """A DeepSeek-V3 decoder layer whose input first receives the Engram memory."""
+
+    def __init__(self, config: EngramDeepseekV3Config, layer_idx: int) -> None:
+        super().__init__(config, layer_idx)
+        fields = _engram_fields(config)
+        self.engram = Engram(fields, config.hidden_size, layer_idx)
+        self.engram_step: tuple[torch.Tensor, torch.Tensor] | None = None  # set per call
+
+    def engram_output(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Engram(h) for [B, T, d]; advances this layer's conv state in `engram_step`."""
+        hash_ids, state = self.engram_step
+        conv = self.engram.short_conv
+        streaming = _StreamingShortConv(conv)
+        streaming.state = state.conv[self.self_attn.layer_idx].to(hidden_states.dtype)
+        self.engram._modules["short_conv"] = streaming
+        try:
+            y = self.engram(hidden_states.transpose(0, 1).contiguous(),
+                            hash_ids=hash_ids.to(hidden_states.device))
+        finally:
+            self.engram._modules["short_conv"] = conv
+        state.conv[self.self_attn.layer_idx] = streaming.state
+        return y.transpose(0, 1)
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        hidden_states = hidden_states + self.engram_output(hidden_states)
+        return super().forward(hidden_states, *args, **kwargs)
+
+
+class EngramDeepseekV3Model(DeepseekV3Model):
+    """DeepSeek-V3 with Engram layers at ``engram_layer_ids`` and the hash constants."""
+
+    config_class = EngramDeepseekV3Config
+
+    def __init__(self, config: EngramDeepseekV3Config) -> None:
+        super().__init__(config)
+        fields = _engram_fields(config)
+        self.engram_hash = EngramHash(fields)
+        for layer in self.engram_hash.layer_ids:
+            if not 0 <= layer < config.num_hidden_layers:
+                raise ValueError(f"engram_layer_ids has {layer}, outside the model's "
+                                 f"{config.num_hidden_layers} layers")
+            self.layers[layer] = EngramDeepseekV3DecoderLayer(config, layer)
+        self.post_init()
+
+    def _engram_state(self, cache, batch: int, device) -> EngramCacheState:
+        state = getattr(cache, "engram_state", None) if cache is not None else None
+        if state is not None and cache.get_seq_length() > 0:
+            if state.history.shape[0] != batch:
+                raise ValueError(f"the cache holds {state.history.shape[0]} sequences, the input "
+                                 f"{batch}: Engram's decoding state cannot be reordered")
+            return state
+        hasher = self.engram_hash.hasher()
+        conv = {}
+        for layer in self.engram_hash.layer_ids:
+            module = self.layers[layer].engram
+            channels = module.hidden_size * module.hc_mult
+            conv[layer] = torch.zeros(batch, channels, module.short_conv.left_pad, device=device)
+        return EngramCacheState(hasher.new_history(batch), conv)
+
+    def forward(self, input_ids=None, *args, inputs_embeds=None, use_cache=None, **kwargs):
+        if input_ids is None:
+            raise ValueError("Engram hashes token ids: call the model with input_ids (not "
+                             "inputs_embeds)")
+        cache = kwargs.pop("cache", None) or kwargs.pop("past_key_values", None)
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
+        state = self._engram_state(cache, input_ids.shape[0], input_ids.device)
+        hashes = self.engram_hash.hasher().extend(state.history, input_ids.cpu().numpy())
+        for index, layer in enumerate(self.engram_hash.layer_ids):
+            block = torch.from_numpy(np.ascontiguousarray(hashes[index].transpose(1, 0, 2)))
+            self.layers[layer].engram_step = (block, state)  # [T, B, K], sequence first
+        try:
+            output = super().forward(input_ids, *args, cache=cache, use_cache=use_cache, **kwargs)
+        finally:
+            for layer in self.engram_hash.layer_ids:
+                self.layers[layer].engram_step = None
+        state.tokens += input_ids.shape[1]
+        if cache is not None:
+            cache.engram_state = state
+        return output
+
+
+class EngramDeepseekV3ForCausalLM(DeepseekV3ForCausalLM):
+    """``DeepseekV3ForCausalLM`` on `EngramDeepseekV3Model`; generate() works with the cache."""
+
+    config_class = EngramDeepseekV3Config
+
+    def __init__(self, config: EngramDeepseekV3Config) -> None:
+        super().__init__(config)
+        self.model = EngramDeepseekV3Model(config)
+        self.post_init()
+
+
+def _register() -> None:
+    """Auto classes, and DeepSeek-V3's checkpoint conversion (per-expert files -> fused expert
+    parameters) for this model type."""
+    from transformers.conversion_mapping import (
+        get_checkpoint_conversion_mapping,
+        register_checkpoint_conversion_mapping,
+    )
+
+    AutoConfig.register(MODEL_TYPE, EngramDeepseekV3Config, exist_ok=True)
+    AutoModelForCausalLM.register(EngramDeepseekV3Config, EngramDeepseekV3ForCausalLM,
+                                  exist_ok=True)
+    if get_checkpoint_conversion_mapping(MODEL_TYPE) is None:
+        register_checkpoint_conversion_mapping(
+            MODEL_TYPE, get_checkpoint_conversion_mapping("deepseek_v3"))
+
+
+_register()
