@@ -32,6 +32,9 @@ Sections (each runs independently; a failure is recorded and the next section ru
   and ``adam``, bf16 tables: float32 masters pinned in host memory, Adam moments on the host,
   tables on the GPU, GPU memory lower by at least the states moved out, and the same losses and
   tables (to one bf16 ulp) as without offload.
+- ``context_parallel``: (2+ ranks, TE) the tiny Engram model in bf16 with context parallelism
+  = world (TE's CP attention, Engram's conv halo over NCCL) against CP 1 (DP = world) from
+  the same weights on the same global batches: losses of 3 steps within bf16 noise (2%).
 - ``throughput``: tokens/s of the ``deepseek_v3_small`` backbone in bf16 with and without
   Engram (same backbone, batch and data), and peak GPU memory.
 
@@ -131,7 +134,7 @@ def trainer_config(ctx: Context, overrides: list[str]):
     validate_run_config(cfg, ctx.world, check_data=False)
     config = build_transformer_config(cfg)
     p = parallel_sizes(cfg)
-    init_layout(tensor=p.tensor, pipeline=p.pipeline, expert=p.expert,
+    init_layout(tensor=p.tensor, pipeline=p.pipeline, expert=p.expert, context=p.context,
                 engram_embedding=p.engram_embedding)
     return cfg, config
 
@@ -543,6 +546,50 @@ def offload(ctx: Context) -> dict:
     return out
 
 
+def context_parallel(ctx: Context) -> dict:
+    from megatron.core import parallel_state
+    from megatron.core.utils import unwrap_model
+
+    from engram_train.training.step import train_step
+
+    micro, steps = 2, 3
+    out, weights = {}, None
+    for cp in (1, ctx.world):
+        cfg, config = trainer_config(ctx, [
+            "model=deepseek_v3_tiny", "system.precision=bf16", f"train.seq_length={SEQ_TINY}",
+            f"system.context_parallel_size={cp}", f"train.micro_batch_size={micro}",
+            f"train.global_batch_size={micro * ctx.world}"])
+        model, optimizer = build_trainer_parts(cfg, config)
+        chunk = unwrap_model(model)[0]
+        if weights is None:  # CP 1 keeps its initial weights for the CP run
+            weights = {n: p.detach().clone() for n, p in chunk.named_parameters()}
+        else:
+            with torch.no_grad():
+                for n, p in chunk.named_parameters():
+                    p.copy_(weights[n])
+            for opt in optimizer.chained_optimizers:  # megatron's fp32 masters follow
+                if hasattr(opt, "reload_model_params"):
+                    opt.reload_model_params()
+        dp = parallel_state.get_data_parallel_world_size()
+        rank = parallel_state.get_data_parallel_rank()
+        losses = []
+        for step in range(steps):
+            batches = with_hash_ids(config, synthetic_batches(ctx.world, micro, SEQ_TINY, 4000,
+                                                              seed=70 + step))
+            losses.append(train_step(model, optimizer, batches[rank::dp], SEQ_TINY,
+                                     micro).lm_loss)
+        out[f"cp{cp}"] = dict(losses=losses, attention=type(
+            chunk.decoder.layers[0].self_attention.core_attention).__name__)
+        del model, optimizer
+    got, want = out[f"cp{ctx.world}"]["losses"], out["cp1"]["losses"]
+    worst = max(abs(a - b) / abs(b) for a, b in zip(got, want))
+    out["max_rel_diff"] = worst
+    check(worst < 0.02, f"CP {ctx.world} losses {got} vs CP 1 {want}")
+    check(out[f"cp{ctx.world}"]["attention"].startswith("TE"),
+          f"CP ran {out[f'cp{ctx.world}']['attention']}, not TE's attention")
+    return out
+
+
 def throughput(ctx: Context) -> dict:
     from engram_train.data import HashPrefetchIterator
     from engram_train.engram.ngram_hash import NgramHashMapping
@@ -604,8 +651,11 @@ SECTIONS = [
     Section("offload", "Engram optimizer-state offload (sparse_adam and adam): pinned host "
             "states, GPU memory, equality with no offload", needs_cuda=False, budget_s=90,
             run=offload),
+    Section("context_parallel", "TE's CP attention + Engram's conv halo (CP = world) vs CP 1, "
+            "bf16, same weights and batches: losses", needs_cuda=True, needs_te=True,
+            min_world=2, budget_s=30, run=context_parallel),
     Section("throughput", "tokens/s with vs without Engram (deepseek_v3_small, bf16)",
-            needs_cuda=False, budget_s=115, run=throughput),
+            needs_cuda=False, budget_s=85, run=throughput),
 ]
 
 
