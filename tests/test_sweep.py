@@ -168,6 +168,7 @@ def test_smoke_sweep_trains_two_variants_and_reports(tmp_path):
     moe, engram = report["runs"]
     assert moe["rho"] is None and engram["rho"] == 0.2
     assert engram["active_params"] > moe["active_params"]
+    assert "| `engram_rho0.2` | " in done.stdout  # the summary table, printed at the end
     summary = {row["variant"]: row for row in report["summary"]}
     assert summary["moe"]["throughput_vs_moe"]["median"] == 1.0
     for name in ("allocation_loss_vs_rho.png", "allocation_throughput.png",

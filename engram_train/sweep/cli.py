@@ -183,6 +183,7 @@ def _main(args) -> None:
 
     runs = runner.run_sweep(derived, args.seeds, schedule, out, extra, on_run)
     final = report.write_json(json_path, meta, runs)
+    print(report.markdown_table(final))
     for path in [json_path, *report.write_figures(final, out)]:
         print(f"engram-sweep: wrote {path}")
 

@@ -56,6 +56,20 @@ def write_json(path: Path, meta: dict, runs: Sequence[dict]) -> dict:
     return report
 
 
+def markdown_table(report: dict) -> str:
+    """The summary as a Markdown table (printed at the end of a sweep, quoted in the docs)."""
+    def spread(v, fmt):
+        return "-" if v is None else (f"{v['median']:{fmt}} ({v['min']:{fmt}} - {v['max']:{fmt}})")
+
+    lines = ["| variant | total | activated | validation loss, median (range) | tokens/s vs MoE |",
+             "| --- | --- | --- | --- | --- |"]
+    for row in report["summary"]:
+        lines.append(f"| `{row['variant']}` | {row['total_params']:,} | {row['active_params']:,} "
+                     f"| {spread(row['val_loss'], '.4f')} "
+                     f"| {spread(row['throughput_vs_moe'], '.2f')} |")
+    return "\n".join(lines)
+
+
 def _style(row: dict) -> tuple[str, str]:
     return {"one_row": ("s", "tab:red"), "frozen": ("^", "tab:purple")}.get(
         row.get("control"), ("o", "tab:blue"))
