@@ -134,3 +134,141 @@ def hf_config(model: dict, vocab_size: int, seq_length: int | None = None) -> di
     }
     config.update(_moe(m, layers))
     return config
+
+
+# -- import: a DeepSeek-V3 config.json -> model-preset fields -------------------------------
+
+# Fields that describe no weight or computation of the model (metadata, generation, the
+# inference layout); accepted as they are.
+NOT_THE_MODEL = {
+    "architectures", "model_type", "transformers_version", "torch_dtype", "dtype", "use_cache",
+    "bos_token_id", "eos_token_id", "pad_token_id", "auto_map", "ep_size", "output_router_logits",
+    "router_aux_loss_coef", "max_position_embeddings", "initializer_range", "_name_or_path",
+    "head_dim", "qk_head_dim", "num_mtp_layers", "seq_aux", "tie_word_embeddings",
+    "num_nextn_predict_layers", "quantization_config", "rope_interleave", "id2label",
+    "label2id", "return_dict", "output_hidden_states", "output_attentions",
+}
+
+
+def _refuse(field: str, value: Any, why: str) -> None:
+    raise HFConfigError(f"config.json {field}={value!r}: {why}")
+
+
+def _hf_rope(doc: dict) -> dict:
+    """megatron RoPE fields from ``rope_parameters`` (transformers 5) or ``rope_scaling`` +
+    ``rope_theta`` (the hub's DeepSeek-V3 files)."""
+    params = dict(doc.get("rope_parameters") or doc.get("rope_scaling") or {})
+    theta = params.pop("rope_theta", doc.get("rope_theta", 10000.0))
+    kind = params.pop("rope_type", params.pop("type", "default"))
+    out = {"rotary_base": float(theta)}
+    if kind == "default":
+        _ = [_refuse(f"rope_parameters.{k}", v, "not used by default RoPE") for k, v in params.items()
+             if k not in ("partial_rotary_factor",) or v != 1.0]
+        out["rope_type"] = "rope"
+        return out
+    if kind != "yarn":
+        _refuse("rope_parameters.rope_type", kind, "megatron's MLA has 'default' RoPE and 'yarn'")
+    if params.pop("truncate", True) is not True:
+        _refuse("rope_parameters.truncate", False, "megatron rounds yarn's correction range")
+    factor = float(params.pop("factor"))
+    mscale, all_dim = float(params.pop("mscale", 1.0) or 0.0), float(params.pop("mscale_all_dim", 0.0) or 0.0)
+    out.update(rope_type="yarn", rotary_scaling_factor=factor,
+               original_max_position_embeddings=int(params.pop("original_max_position_embeddings")),
+               beta_fast=float(params.pop("beta_fast", 32)), beta_slow=float(params.pop("beta_slow", 1)),
+               mscale=mscale, mscale_all_dim=all_dim)
+    attention = params.pop("attention_factor", None)
+    ours = yarn_mscale(factor, mscale) / yarn_mscale(factor, all_dim)
+    if mscale == 0.0 or all_dim == 0.0:  # transformers then infers get_mscale(factor)
+        ours_hf = yarn_mscale(factor)
+        if attention is None and not math.isclose(ours_hf, ours, rel_tol=1e-9):
+            _refuse("rope_parameters.mscale", mscale, "transformers' and megatron's yarn scales "
+                    "differ for this mscale/mscale_all_dim pair")
+    if attention is not None and not math.isclose(float(attention), ours, rel_tol=1e-9):
+        _refuse("rope_parameters.attention_factor", attention, f"megatron's yarn gives {ours}")
+    if params:
+        _refuse("rope_parameters", params, "fields megatron's yarn does not have")
+    return out
+
+
+def _hf_moe(doc: dict, layers: int) -> dict:
+    first_k = int(doc.get("first_k_dense_replace") or 0)
+    if doc.get("moe_layer_freq", 1) != 1:
+        _refuse("moe_layer_freq", doc["moe_layer_freq"], "only 1 (every layer after "
+                "first_k_dense_replace is MoE) exists in transformers' DeepSeek-V3")
+    if first_k >= layers:
+        return {"first_k_dense_replace": None, "num_moe_experts": None}
+    topk, experts = int(doc["num_experts_per_tok"]), int(doc["n_routed_experts"])
+    groups, group_topk = int(doc.get("n_group") or 1), int(doc.get("topk_group") or 1)
+    if doc.get("scoring_func", "sigmoid") != "sigmoid":
+        _refuse("scoring_func", doc["scoring_func"], "DeepSeek-V3 routing is sigmoid")
+    if doc.get("topk_method", "noaux_tc") != "noaux_tc":
+        _refuse("topk_method", doc["topk_method"], "transformers' DeepSeek-V3 routes with noaux_tc")
+    norm = bool(doc.get("norm_topk_prob", True))
+    if norm != (topk > 1):
+        _refuse("norm_topk_prob", norm, f"megatron normalizes the top-k weights exactly when k > 1 "
+                f"(num_experts_per_tok={topk})")
+    if groups > 1 and topk // group_topk != 2:
+        _refuse("topk_group", group_topk, f"megatron scores a group by its top num_experts_per_tok "
+                f"// topk_group experts, transformers by its top 2 (needs topk_group = {topk // 2})")
+    if experts % groups:
+        _refuse("n_group", groups, f"must divide n_routed_experts={experts}")
+    moe = int(doc["moe_intermediate_size"])
+    out = {"first_k_dense_replace": first_k, "num_moe_experts": experts, "moe_router_topk": topk,
+           "moe_ffn_hidden_size": moe,
+           "moe_shared_expert_intermediate_size": moe * int(doc.get("n_shared_experts") or 0),
+           "moe_router_topk_scaling_factor": float(doc.get("routed_scaling_factor") or 1.0)}
+    if not out["moe_shared_expert_intermediate_size"]:
+        _refuse("n_shared_experts", doc.get("n_shared_experts"), "DeepSeek-V3 layers have shared "
+                "experts (the trainer's MoE spec builds them)")
+    if groups > 1:
+        out.update(moe_router_num_groups=groups, moe_router_group_topk=group_topk)
+    if "aux_loss_alpha" in doc:
+        out["moe_aux_loss_coeff"] = float(doc["aux_loss_alpha"])
+    return out
+
+
+def preset_from_hf(doc: dict) -> dict:
+    """Backbone fields of a model preset for a DeepSeek-V3 ``config.json`` (`HFConfigError`
+    naming the field for one that cannot be honoured)."""
+    if doc.get("model_type", "deepseek_v3") != "deepseek_v3":
+        _refuse("model_type", doc.get("model_type"), "only deepseek_v3 folders are imported")
+    for field, want, why in [("hidden_act", "silu", "DeepSeek-V3's MLPs are SwiGLU"),
+                             ("attention_bias", False, "megatron's MLA linears have no bias"),
+                             ("pretraining_tp", 1, "a layout of the original training, not a model "
+                              "field transformers honours either"),
+                             ("rms_norm_eps", LATENT_NORM_EPS, "transformers' latent norms always "
+                              "use 1e-6 and megatron one eps for every norm")]:
+        if doc.get(field, want) != want:
+            _refuse(field, doc[field], why)
+    heads = int(doc["num_attention_heads"])
+    if int(doc.get("num_key_value_heads") or heads) != heads:
+        _refuse("num_key_value_heads", doc["num_key_value_heads"], "MLA has one latent for all "
+                f"heads: use num_attention_heads={heads}")
+    quant = doc.get("quantization_config")
+    if quant and (quant.get("quant_method") != "fp8" or quant.get("fmt", "e4m3") != "e4m3"):
+        _refuse("quantization_config", quant, "only block-scaled fp8 (e4m3) weights are read")
+    layers = int(doc["num_hidden_layers"])
+    preset = {
+        "num_layers": layers, "hidden_size": int(doc["hidden_size"]),
+        "num_attention_heads": heads, "ffn_hidden_size": int(doc["intermediate_size"]),
+        "q_lora_rank": doc.get("q_lora_rank"), "kv_lora_rank": int(doc["kv_lora_rank"]),
+        "qk_head_dim": int(doc["qk_nope_head_dim"]), "qk_pos_emb_head_dim": int(doc["qk_rope_head_dim"]),
+        "v_head_dim": int(doc["v_head_dim"]),
+        "init_method_std": float(doc.get("initializer_range", 0.02)),
+        "attention_dropout": float(doc.get("attention_dropout") or 0.0),
+    }
+    preset.update(_hf_rope(doc))
+    preset.update(_hf_moe(doc, layers))
+    known = set(NOT_THE_MODEL) | {
+        "hidden_act", "attention_bias", "pretraining_tp", "rms_norm_eps", "num_attention_heads",
+        "num_key_value_heads", "num_hidden_layers", "hidden_size", "intermediate_size",
+        "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+        "attention_dropout", "rope_parameters", "rope_scaling", "rope_theta", "first_k_dense_replace",
+        "moe_layer_freq", "num_experts_per_tok", "n_routed_experts", "n_group", "topk_group",
+        "scoring_func", "topk_method", "norm_topk_prob", "moe_intermediate_size", "n_shared_experts",
+        "routed_scaling_factor", "aux_loss_alpha", "vocab_size"}
+    unknown = sorted(set(doc) - known)
+    if unknown:
+        _refuse(unknown[0], doc[unknown[0]], f"not a DeepSeek-V3 field this import knows "
+                f"(all unknown: {unknown}); remove it if it does not change the model")
+    return preset

@@ -1,0 +1,79 @@
+"""The tensors of a transformers model folder, read one at a time.
+
+``model.safetensors.index.json`` (or the folder's ``*.safetensors`` files) says which file
+holds a tensor; each is read alone from its file's memory map. Block-scaled fp8 weights
+(DeepSeek-V3's released format: ``<name>`` in float8_e4m3fn with ``<name>_scale_inv`` per
+128 x 128 block) are dequantized on the fly, so memory holds one tensor at a time.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+SCALE_SUFFIX = "_scale_inv"
+
+
+class HFSourceError(ValueError):
+    """A folder this import cannot read; the message names the file or tensor."""
+
+
+class HFFolder:
+    """Names and lazily read tensors of a transformers checkpoint folder."""
+
+    def __init__(self, folder: str | Path, block_size: tuple[int, int] = (128, 128)) -> None:
+        self.folder = Path(folder)
+        index = self.folder / "model.safetensors.index.json"
+        if index.is_file():
+            self.files = {k: self.folder / v for k, v in json.loads(index.read_text())["weight_map"].items()}
+        else:
+            self.files = {}
+            for path in sorted(self.folder.glob("*.safetensors")):
+                with safe_open(str(path), "pt") as f:
+                    self.files.update({k: path for k in f.keys()})
+        if not self.files:
+            raise HFSourceError(f"{self.folder} holds no safetensors weights")
+        self.block_size = tuple(block_size)
+        self._open: dict[Path, object] = {}
+
+    def names(self) -> list[str]:
+        """Tensor names, fp8 scales left out (they belong to their weight)."""
+        return [k for k in self.files if not k.endswith(SCALE_SUFFIX)]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.files
+
+    def _handle(self, path: Path):
+        if path not in self._open:
+            if not path.is_file():
+                raise HFSourceError(f"{path} is named by the index but missing")
+            self._open[path] = safe_open(str(path), "pt")
+        return self._open[path]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(self.files[name]).get_slice(name).get_shape())
+
+    def read(self, name: str) -> torch.Tensor:
+        """The tensor in float32 (fp8 weights dequantized with their block scales)."""
+        value = self._handle(self.files[name]).get_tensor(name)
+        if value.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            scale_name = name + SCALE_SUFFIX
+            if scale_name not in self.files:
+                raise HFSourceError(f"{name} is fp8 but {scale_name} is missing")
+            scale = self._handle(self.files[scale_name]).get_tensor(scale_name)
+            return dequantize(value, scale, self.block_size)
+        return value.float()
+
+
+def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """fp8 [out, in] x per-block scales [ceil(out/b0), ceil(in/b1)] -> float32."""
+    rows, cols = weight.shape
+    expected = (-(-rows // block[0]), -(-cols // block[1]))
+    if tuple(scale_inv.shape) != expected:
+        raise HFSourceError(f"fp8 weight {tuple(weight.shape)} with scales {tuple(scale_inv.shape)}; "
+                            f"blocks of {block} need {expected}")
+    scale = scale_inv.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+    return weight.float() * scale
