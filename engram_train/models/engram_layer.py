@@ -5,7 +5,9 @@ hash ids arrive through the ``context`` argument that megatron's block already h
 layer (and saves with the inputs under full recompute, so a recomputed layer sees the same
 ids); decoder-only GPT models leave that slot unused. The block is ``[L, B, S, K]``
 (``models/engram_gpt.py``) and this layer reads its slice by its position in
-``engram_layer_ids``.
+``engram_layer_ids``. Under context or sequence parallelism the layer holds only some
+positions of the sequence (zigzag chunks, its TP slice): it runs the branch on those, with the
+conv's left context from a halo (``engram_train.parallel.context``).
 The Engram table is sharded by the model's embedding-parallel method
 (``engram_train.parallel.engram_embedding_parallel``: ``alltoall`` over the Engram
 embedding-parallel group, or ``allreduce`` over this layer's tensor-parallel group).
