@@ -96,11 +96,7 @@ def engram_head_vocab_sizes(
     if one_row:
         heads = [1] * int(n_head_per_ngram)
         return {int(i): [list(heads) for _ in range(max_ngram_size - 1)] for i in layer_ids}
-    if len(engram_vocab_size) != max_ngram_size - 1:
-        raise ValueError(
-            f"engram_vocab_size has {len(engram_vocab_size)} entries; max_ngram_size="
-            f"{max_ngram_size} needs {max_ngram_size - 1}."
-        )
+    # one entry of engram_vocab_size per order: validated with the config (EngramConfig)
     sizes = _head_vocab_sizes(
         tuple(int(v) for v in engram_vocab_size),
         int(max_ngram_size),
