@@ -12,7 +12,7 @@ Names are imported lazily: importing megatron-core takes seconds, and ``engram-p
 
 from __future__ import annotations
 
-import importlib
+from engram_train.lazy_exports import lazy_getattr
 
 _EXPORTS = {
     "HFTokenizer": "text_tokenizer",
@@ -29,9 +29,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    module = importlib.import_module(f"{__name__}.{_EXPORTS[name]}")
-    return getattr(module, name)
+__getattr__ = lazy_getattr(__name__, _EXPORTS)
