@@ -3,6 +3,8 @@
 The fixtures (tests/data/lane_checkpoints, written by tests/dist/lane_checkpoint.py on each lane)
 differ in format: megatron-core 0.19 keeps the common state inside the torch_dist files,
 0.16 in common.pt (docs/megatron-versions.md). Loaded here on 2 data-parallel ranks.
+The fixtures are committed, written by an earlier version of the project's save path: a change
+to the checkpoint code that would break checkpoints users already have fails here.
 """
 
 import json
