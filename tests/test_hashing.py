@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engram_train.config import EngramConfig
-from engram_train.engram import tokenizer as tokenizer_module
+from engram_train.engram import compressed_tokenizer as tokenizer_module
 from engram_train.engram.tables import (
     INIT_BLOCK_ROWS,
     MultiHeadEmbedding,
