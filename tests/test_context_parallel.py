@@ -2,19 +2,12 @@
 launches): the split branch equals the unsplit one at every position, the halo's bytes, CP and
 SP layouts train like CP1, checkpoints cross CP sizes, lookups per rank fall with SP."""
 
-from unittest import mock
-
 import pytest
 import torch
 
 from launch import torchrun
 
-from engram_train.parallel.context import (
-    held_positions,
-    pieces_of,
-    plan_halo,
-    zigzag_positions,
-)
+from engram_train.parallel.context import held_positions, pieces_of, plan_halo
 
 # CP only reorders float sums (attention over all-gathered K/V, the loss over ranks): the losses
 # follow CP1 to float noise, which the MoE router amplifies over 6 steps to ~3e-5. TP with
@@ -38,26 +31,13 @@ def more(tmp_path_factory):
     return torchrun("context_parallel.py", 4, tmp_path_factory.mktemp("cp_more"), "--part", "more")
 
 
-def test_zigzag_positions_follow_megatron_split():
-    from megatron.core.utils import get_batch_on_this_cp_rank
-
-    class Group:
-        def __init__(self, size, rank):
-            self._size, self._rank = size, rank
-
-        def size(self):
-            return self._size
-
-        def rank(self):
-            return self._rank
-
-    for size in (2, 4):
-        for rank in range(size):
-            with mock.patch("megatron.core.utils.get_pg_size", lambda g: g.size()), \
-                    mock.patch("megatron.core.utils.get_pg_rank", lambda g: g.rank()):
-                split = get_batch_on_this_cp_rank({"tokens": torch.arange(32)[None]},
-                                                  Group(size, rank))["tokens"][0]
-            assert torch.equal(split, zigzag_positions(32, size, rank))
+@pytest.mark.every_lane
+def test_zigzag_positions_follow_megatron_split(core):
+    """The positions the halo and the CP attention assume are the ones megatron's split
+    (through ``context_parallel_batch``) gives every CP rank, tokens and hash ids alike."""
+    for r in core:
+        for case in ("cp4", "cp2_tp2sp"):
+            assert r[f"branch_{case}"]["zigzag_matches_megatron"]
 
 
 def test_halo_plan_requests_exactly_the_positions_before_each_piece():

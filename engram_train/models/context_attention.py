@@ -55,7 +55,8 @@ class ContextParallelCoreAttention(MegatronModule):
         k_channels = k_channels or config.kv_channels
         self.softmax_scale = (softmax_scale if softmax_scale is not None
                               else 1.0 / math.sqrt(k_channels))
-        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.dropout_p = (config.attention_dropout if attention_dropout is None
+                          else attention_dropout)
         self._masks: dict[tuple, torch.Tensor] = {}
 
     def causal_mask(self, local_len: int, device) -> torch.Tensor:

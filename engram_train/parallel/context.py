@@ -3,8 +3,8 @@ rank holds, and the short conv's left context (the *halo*) from the positions be
 
 Vocabulary (used in ``models/engram_layer.py`` and docs/embedding-parallel.md):
 
-- *zigzag*: megatron's context-parallel split (``get_batch_on_this_cp_rank``): the sequence is
-  cut into ``2 x CP`` chunks and CP rank ``r`` holds chunks ``r`` and ``2CP-1-r``, in that order.
+- *zigzag*: megatron's context-parallel split (``zigzag_split``): the sequence is cut into
+  ``2 x CP`` chunks and CP rank ``r`` holds chunks ``r`` and ``2CP-1-r``, in that order.
 - *sequence group*: the ranks whose positions together make one sequence: the CP group, or with
   sequence parallelism the tensor x context group (TP rank ``t`` then holds the ``t``-th
   ``1/TP`` slice of its CP rank's positions, as megatron's ``scatter_to_sequence_parallel_region``).
@@ -31,15 +31,28 @@ HASH_KEY = "engram_hash_ids"
 SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask")
 
 
+def zigzag_split(batch: dict, cp_group) -> dict:
+    """megatron's per-sequence zigzag split of ``batch``'s tensors (dim 1; attention masks
+    dim 2). megatron-core 0.16 names it ``get_batch_on_this_cp_rank(batch, cp_group)``; 0.17+
+    puts a dispatcher there (packed and hybrid CP) and keeps this split as
+    ``_get_batch_on_this_cp_rank_per_sequence_balancing(batch, cp_group)``."""
+    from megatron.core import utils
+
+    split = getattr(utils, "_get_batch_on_this_cp_rank_per_sequence_balancing", None)
+    if split is not None:
+        return split(batch, cp_group=cp_group)
+    return utils.get_batch_on_this_cp_rank(batch, cp_group)
+
+
 def context_parallel_batch(batch: dict, cp_group=None) -> dict:
-    """This CP rank's zigzag share of a micro-batch (megatron's ``get_batch_on_this_cp_rank``),
-    the ``[L, B, S, K]`` hash-id block included (split on S like the tokens). A new dict; the
+    """This CP rank's zigzag share of a micro-batch (megatron's split, ``zigzag_split``), the
+    ``[L, B, S, K]`` hash-id block included (split on S like the tokens). A new dict; the
     batch is returned as is without context parallelism."""
     from megatron.core import parallel_state
-    from megatron.core.utils import get_batch_on_this_cp_rank
 
-    size = cp_group.size() if cp_group is not None else (
-        parallel_state.get_context_parallel_world_size())
+    if cp_group is None:
+        cp_group = parallel_state.get_context_parallel_group()
+    size = cp_group.size()
     if size == 1:
         return batch
     seq = batch["tokens"].shape[1]
@@ -49,7 +62,7 @@ def context_parallel_batch(batch: dict, cp_group=None) -> dict:
             "(megatron's zigzag cuts every sequence into 2 x CP chunks)"
         )
     out = dict(batch)
-    out.update(get_batch_on_this_cp_rank(
+    out.update(zigzag_split(
         {k: batch[k] for k in SEQUENCE_KEYS if batch.get(k) is not None}, cp_group))
     ids = batch.get(HASH_KEY)
     if ids is not None:
@@ -57,7 +70,7 @@ def context_parallel_batch(batch: dict, cp_group=None) -> dict:
             raise ValueError("context parallelism needs the [L, B, S, K] hash-id block "
                              "(NgramHashMapping.hash_stacked), not a per-layer mapping")
         layers, b, _, k = ids.shape
-        flat = get_batch_on_this_cp_rank({"ids": ids.reshape(layers * b, seq, k)}, cp_group)
+        flat = zigzag_split({"ids": ids.reshape(layers * b, seq, k)}, cp_group)
         out[HASH_KEY] = flat["ids"].reshape(layers, b, -1, k)
     return out
 

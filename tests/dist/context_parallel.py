@@ -190,7 +190,13 @@ def check_branch(result):
     from types import SimpleNamespace
 
     from engram_train.engram.engram_module import Engram
-    from engram_train.parallel.context import HALO_STATS, held_positions, sequence_halo
+    from engram_train.parallel.context import (
+        HALO_STATS,
+        context_parallel_batch,
+        held_positions,
+        sequence_halo,
+        zigzag_positions,
+    )
 
     cases = [("cp4", ParallelSizes(context=4), False, 128, 1),
              ("cp2_tp2sp", ParallelSizes(context=2, tensor=2), True, 128, 2),
@@ -214,7 +220,14 @@ def check_branch(result):
         full = engram(full_in, hash_ids=ids)
         (full * weight).sum().backward()
 
-        cp, tp = parallel_state.get_context_parallel_group(), parallel_state.get_tensor_model_parallel_group()
+        cp = parallel_state.get_context_parallel_group()
+        tp = parallel_state.get_tensor_model_parallel_group()
+        split = context_parallel_batch(dict(tokens=torch.arange(seq)[None].expand(batch, seq),
+                                            engram_hash_ids=torch.arange(seq).view(1, 1, seq, 1)
+                                            .expand(2, batch, seq, 3).contiguous()))
+        zigzag = zigzag_positions(seq, cp.size(), cp.rank())
+        zigzag_ok = (torch.equal(split["tokens"][0], zigzag)
+                     and torch.equal(split["engram_hash_ids"][1, 1, :, 2], zigzag))
         pos = held_positions(seq, cp.size(), cp.rank(), tp.size() if sp else 1,
                              tp.rank() if sp else 0)
         halo = sequence_halo(SimpleNamespace(sequence_parallel=sp),
@@ -232,7 +245,8 @@ def check_branch(result):
             grad_scale=full_in.grad.abs().max().item(),
             halo_bytes=halo_bytes, edges=plan.edges,
             edge_bytes=batch * plan.width * hidden_size * streams * 4,
-            short_pieces=any(end - start < plan.width for start, end in plan.pieces))
+            short_pieces=any(end - start < plan.width for start, end in plan.pieces),
+            zigzag_matches_megatron=zigzag_ok)
 
 
 def main():
