@@ -143,6 +143,10 @@ def test_engram_class_matches_megatron_and_decodes_with_its_cache(parity):
     prompt = record["ids"][:, :8]
     cached = model.generate(prompt, max_new_tokens=32, min_new_tokens=32, do_sample=False)
     assert torch.equal(cached, record["greedy"])  # megatron: greedy by full forward passes
+    with pytest.raises(ValueError, match="num_beams"):
+        model.generate(prompt, max_new_tokens=2, num_beams=2)
+    with pytest.raises(ValueError, match="input_ids"):
+        model(inputs_embeds=torch.zeros(1, 2, model.config.hidden_size))
 
 
 def test_imported_checkpoint_computes_the_transformers_loss(parity, hf_source):

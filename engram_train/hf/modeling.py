@@ -192,6 +192,16 @@ class EngramDeepseekV3ForCausalLM(DeepseekV3ForCausalLM):
         self.model = EngramDeepseekV3Model(config)
         self.post_init()
 
+    def generate(self, *args, **kwargs):
+        """transformers' generate; beam search is refused: it reorders the KV cache between
+        steps, and the Engram state (n-gram history, conv context) would not follow."""
+        config = kwargs.get("generation_config") or self.generation_config
+        beams = kwargs.get("num_beams", getattr(config, "num_beams", 1)) or 1
+        if beams > 1:
+            raise ValueError(f"num_beams={beams}: beam search is not supported with Engram (its "
+                             "decoding state is not reordered with the cache); use num_beams=1")
+        return super().generate(*args, **kwargs)
+
 
 def _register() -> None:
     """Auto classes, and DeepSeek-V3's checkpoint conversion (per-expert files -> fused expert
