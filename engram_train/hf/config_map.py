@@ -162,8 +162,9 @@ def _hf_rope(doc: dict) -> dict:
     kind = params.pop("rope_type", params.pop("type", "default"))
     out = {"rotary_base": float(theta)}
     if kind == "default":
-        _ = [_refuse(f"rope_parameters.{k}", v, "not used by default RoPE") for k, v in params.items()
-             if k not in ("partial_rotary_factor",) or v != 1.0]
+        extra = {k: v for k, v in params.items() if (k, v) != ("partial_rotary_factor", 1.0)}
+        if extra:
+            _refuse("rope_parameters", extra, "default RoPE takes no other parameter here")
         out["rope_type"] = "rope"
         return out
     if kind != "yarn":

@@ -161,6 +161,13 @@ def engram_extras(plan) -> tuple[dict, dict[str, torch.Tensor]]:
     return section, tensors
 
 
+def mhc_section(model: dict) -> dict:
+    """config.json's ``hyper_connections`` section: what the mHC mappings need."""
+    return {"num_residual_streams": int(model.get("num_residual_streams", 4)),
+            "sinkhorn_iterations": int(model.get("mhc_sinkhorn_iterations", 20)),
+            "norm_eps": float(model.get("layernorm_epsilon", 1e-6))}
+
+
 def write_tokenizer(folder: Path, tokenizer_file: Path, eos_token: str | None = None) -> None:
     shutil.copyfile(tokenizer_file, folder / "tokenizer.json")
     config = {"tokenizer_class": "PreTrainedTokenizerFast"}
@@ -204,10 +211,6 @@ def export_hf(load, out, *, iteration=None, config=None, tokenizer=None, force=F
     reader = DistCheckpointReader(directory)
     run_config, where = find_run_config(config, root, reader.common_state())
     model = run_config.get("model", run_config)
-    if model.get("enable_hyper_connections"):
-        raise ExportError(f"{where}: model.enable_hyper_connections=true: the transformers classes "
-                          "here carry one residual stream; export mHC models in the default "
-                          "format")
     plan = None
     if model.get("use_engram"):
         plan = plan_export(load, iteration=iteration, config=config, tokenizer=tokenizer,
@@ -230,8 +233,11 @@ def export_hf(load, out, *, iteration=None, config=None, tokenizer=None, force=F
     extra: dict[str, torch.Tensor] = {}
     if plan is not None:
         section, extra = engram_extras(plan)
-        document.update(model_type=ENGRAM_MODEL_TYPE, architectures=["EngramDeepseekV3ForCausalLM"],
-                        engram=section)
+        document["engram"] = section
+    if model.get("enable_hyper_connections"):
+        document["hyper_connections"] = mhc_section(model)
+    if plan is not None or model.get("enable_hyper_connections"):
+        document.update(model_type=ENGRAM_MODEL_TYPE, architectures=["EngramDeepseekV3ForCausalLM"])
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
     try:

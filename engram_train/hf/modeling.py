@@ -28,7 +28,10 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
     DeepseekV3Model,
 )
 
+from transformers import initialization as init
+
 from engram_train.engram.engram_module import Engram
+from engram_train.models.hyper_connection import HyperConnection, HyperHead
 from engram_train.inference.incremental_hash import IncrementalNgramHasher
 from engram_train.inference.memory import _StreamingShortConv
 
@@ -37,25 +40,45 @@ MODEL_TYPE = "engram_deepseek_v3"
 
 class EngramDeepseekV3Config(DeepseekV3Config):
     """``DeepseekV3Config`` plus ``engram``: the run's Engram fields (``engram_layer_ids``,
-    ``max_ngram_size``, ...) and the tokenizer's ``num_raw_ids`` and ``compressed_pad_id``."""
+    ``max_ngram_size``, ...) and the tokenizer's ``num_raw_ids`` and ``compressed_pad_id``;
+    and ``hyper_connections`` (mHC: ``num_residual_streams``, ``sinkhorn_iterations``,
+    ``norm_eps``). Either may be empty."""
 
     model_type = MODEL_TYPE
 
-    def __init__(self, engram: dict | None = None, **kwargs) -> None:
+    def __init__(self, engram: dict | None = None, hyper_connections: dict | None = None,
+                 **kwargs) -> None:
         self.engram = dict(engram or {})
+        self.hyper_connections = dict(hyper_connections or {})
         super().__init__(**kwargs)
 
 
-def _engram_fields(config: EngramDeepseekV3Config) -> SimpleNamespace:
-    fields = dict(config.engram)
+def _engram_fields(config: EngramDeepseekV3Config) -> SimpleNamespace | None:
+    """The Engram fields of the config (None: no Engram)."""
+    fields = dict(config.engram or {})
+    if not fields:
+        return None
     missing = [k for k in ("engram_layer_ids", "max_ngram_size", "n_head_per_ngram",
                            "n_embed_per_ngram", "engram_vocab_size", "num_raw_ids") if k not in fields]
     if missing:
         raise ValueError(f"config.engram lacks {missing}: export the model with engram-export "
                          "--format hf")
-    fields.setdefault("engram_hc_mult", 1)
-    fields["engram_hc_mult"] = fields["engram_hc_mult"] or 1
+    fields["engram_hc_mult"] = fields.get("engram_hc_mult") or 1
     return SimpleNamespace(**fields)
+
+
+def _num_streams(config: EngramDeepseekV3Config) -> int:
+    """mHC's residual streams (1: the plain residual)."""
+    return int((getattr(config, "hyper_connections", None) or {}).get("num_residual_streams", 1))
+
+
+def _expand(hidden_states: torch.Tensor, streams: int) -> torch.Tensor:
+    """[B, T, d] -> [B, T, n, d], every stream the embedding (the trainer's expansion); the
+    streams as they are when already expanded."""
+    if streams == 1 or hidden_states.ndim == 4:
+        return hidden_states
+    return hidden_states.unsqueeze(2).expand(*hidden_states.shape[:2], streams,
+                                             hidden_states.shape[-1]).contiguous()
 
 
 class EngramHash(nn.Module):
@@ -98,50 +121,113 @@ class EngramCacheState:
     tokens: int = 0
 
 
-class EngramDeepseekV3DecoderLayer(DeepseekV3DecoderLayer):
-    """A DeepSeek-V3 decoder layer whose input first receives the Engram memory."""
+class HyperConnectionDecoderLayer(DeepseekV3DecoderLayer):
+    """A DeepSeek-V3 decoder layer on n residual streams: its attention and MLP/MoE read
+    ``u = H_pre X`` and write back ``X' = H_post y + C X`` (the project's `HyperConnection`,
+    the trainer's ``HyperConnectionTransformerLayer``); streams are [B, T, n, d]."""
 
     def __init__(self, config: EngramDeepseekV3Config, layer_idx: int) -> None:
         super().__init__(config, layer_idx)
-        fields = _engram_fields(config)
-        self.engram = Engram(fields, config.hidden_size, layer_idx)
-        self.engram_step: tuple[torch.Tensor, torch.Tensor] | None = None  # set per call
+        hc = config.hyper_connections
+        self.num_streams = int(hc["num_residual_streams"])
+        self.attn_hc, self.ffn_hc = (
+            HyperConnection(config.hidden_size, self.num_streams, int(hc["sinkhorn_iterations"]),
+                            norm_eps=float(hc["norm_eps"])) for _ in range(2))
+
+    def forward(self, hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
+        x = _expand(hidden_states, self.num_streams)
+        u, h_post, mixing = self.attn_hc(x)
+        y, _ = self.self_attn(hidden_states=self.input_layernorm(u), **kwargs)
+        x = self.attn_hc.mix(x, y, h_post, mixing)
+        u, h_post, mixing = self.ffn_hc(x)
+        return self.ffn_hc.mix(x, self.mlp(self.post_attention_layernorm(u)), h_post, mixing)
+
+
+class _EngramInput:
+    """Mixin for a decoder layer: its input first receives the Engram memory."""
+
+    num_streams = 1
+
+    def _add_engram(self, config: EngramDeepseekV3Config, layer_idx: int) -> None:
+        self.engram = Engram(_engram_fields(config), config.hidden_size, layer_idx)
+        self.engram_step: tuple[torch.Tensor, EngramCacheState] | None = None  # set per call
 
     def engram_output(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Engram(h) for [B, T, d]; advances this layer's conv state in `engram_step`."""
+        """Engram(h) for [B, T, d] (or the [B, T, n, d] streams); advances this layer's conv
+        state in `engram_step`."""
         hash_ids, state = self.engram_step
+        layer = self.engram.layer_id
         conv = self.engram.short_conv
         streaming = _StreamingShortConv(conv)
-        streaming.state = state.conv[self.self_attn.layer_idx].to(hidden_states.dtype)
+        streaming.state = state.conv[layer].to(hidden_states.dtype)
         self.engram._modules["short_conv"] = streaming
         try:
             y = self.engram(hidden_states.transpose(0, 1).contiguous(),
                             hash_ids=hash_ids.to(hidden_states.device))
         finally:
             self.engram._modules["short_conv"] = conv
-        state.conv[self.self_attn.layer_idx] = streaming.state
+        state.conv[layer] = streaming.state
         return y.transpose(0, 1)
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        hidden_states = _expand(hidden_states, self.num_streams)
         hidden_states = hidden_states + self.engram_output(hidden_states)
         return super().forward(hidden_states, *args, **kwargs)
 
 
+class EngramDeepseekV3DecoderLayer(_EngramInput, DeepseekV3DecoderLayer):
+    """A DeepSeek-V3 decoder layer whose input first receives the Engram memory."""
+
+    def __init__(self, config: EngramDeepseekV3Config, layer_idx: int) -> None:
+        super().__init__(config, layer_idx)
+        self._add_engram(config, layer_idx)
+
+
+class EngramHyperConnectionDecoderLayer(_EngramInput, HyperConnectionDecoderLayer):
+    """The mHC layer with Engram on all n streams (``engram_hc_mult`` = n)."""
+
+    def __init__(self, config: EngramDeepseekV3Config, layer_idx: int) -> None:
+        super().__init__(config, layer_idx)
+        self._add_engram(config, layer_idx)
+
+
 class EngramDeepseekV3Model(DeepseekV3Model):
-    """DeepSeek-V3 with Engram layers at ``engram_layer_ids`` and the hash constants."""
+    """DeepSeek-V3 with Engram layers at ``engram_layer_ids`` (and the hash constants) and/or
+    mHC: every layer on n streams, expanded from the embedding and collapsed by ``hc_head``
+    before the final norm."""
 
     config_class = EngramDeepseekV3Config
 
     def __init__(self, config: EngramDeepseekV3Config) -> None:
         super().__init__(config)
-        fields = _engram_fields(config)
-        self.engram_hash = EngramHash(fields)
-        for layer in self.engram_hash.layer_ids:
+        fields, streams = _engram_fields(config), _num_streams(config)
+        self.engram_hash = EngramHash(fields) if fields is not None else None
+        engram_layers = set(self.engram_hash.layer_ids) if fields is not None else set()
+        for layer in engram_layers:
             if not 0 <= layer < config.num_hidden_layers:
                 raise ValueError(f"engram_layer_ids has {layer}, outside the model's "
                                  f"{config.num_hidden_layers} layers")
-            self.layers[layer] = EngramDeepseekV3DecoderLayer(config, layer)
+        classes = {(True, False): EngramDeepseekV3DecoderLayer,
+                   (False, True): HyperConnectionDecoderLayer,
+                   (True, True): EngramHyperConnectionDecoderLayer}
+        for layer in range(config.num_hidden_layers):
+            kind = classes.get((layer in engram_layers, streams > 1))
+            if kind is not None:
+                self.layers[layer] = kind(config, layer)
+        if streams > 1:
+            self.hc_head = HyperHead(config.hidden_size, streams,
+                                     norm_eps=float(config.hyper_connections["norm_eps"]))
+            self.norm.register_forward_pre_hook(self._collapse_streams)
         self.post_init()
+
+    def _collapse_streams(self, _norm, args):
+        return (self.hc_head(args[0]), *args[1:]) if args[0].ndim == 4 else None
+
+    def _init_weights(self, module) -> None:
+        super()._init_weights(module)
+        if isinstance(module, HyperConnection):  # a non-persistent constant: rebuilt after load
+            n = module.num_streams
+            init.copy_(module._logit_groups, torch.tensor([n, n, n * n]))
 
     def _engram_state(self, cache, batch: int, device) -> EngramCacheState:
         state = getattr(cache, "engram_state", None) if cache is not None else None
@@ -159,6 +245,9 @@ class EngramDeepseekV3Model(DeepseekV3Model):
         return EngramCacheState(hasher.new_history(batch), conv)
 
     def forward(self, input_ids=None, *args, inputs_embeds=None, use_cache=None, **kwargs):
+        if self.engram_hash is None:  # mHC alone
+            return super().forward(input_ids, *args, inputs_embeds=inputs_embeds,
+                                   use_cache=use_cache, **kwargs)
         if input_ids is None:
             raise ValueError("Engram hashes token ids: call the model with input_ids (not "
                              "inputs_embeds)")

@@ -5,7 +5,8 @@ more *pieces*: axis-aligned blocks of it that are whole transformers tensors. Sw
 ``linear_fc1`` ``[2f, d]`` is two pieces (gate rows, then up rows); a stacked expert tensor
 ``[E, ...]`` is one piece per expert (its leading axis dropped); the padded embedding and output
 layer are one piece of their first ``vocab_size`` rows. Engram (and mHC) tensors keep the
-project's module names under the decoder layer: ``model.layers.<i>.engram.<name>``.
+project's module names under the decoder layer (``model.layers.<i>.engram.<name>``,
+``model.layers.<i>.attn_hc.fn``) and the stream collapse is ``model.hc_head.*``.
 """
 
 from __future__ import annotations
@@ -62,8 +63,8 @@ _SWIGLU = {  # [2f, d]: gate rows then up rows
     "mlp.shared_experts.linear_fc1.weight": "mlp.shared_experts.",
 }
 _EXPERTS = "mlp.experts.experts."
-# Layer tensors that keep the project's module names (Engram, mHC mappings).
-_KEPT = re.compile(r"^(engram\.|self_attention_hc\.|mlp_hc\.|hyper_connection)")
+# Layer tensors that keep the project's module names (Engram, the mHC mappings).
+_KEPT = re.compile(r"^(engram\.|attn_hc\.|ffn_hc\.)")
 _LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 
@@ -93,6 +94,8 @@ def hf_pieces(key: str, shape: tuple[int, ...], vocab_size: int) -> list[Piece]:
         return [Piece("lm_head.weight", (0, 0), (vocab_size, shape[1]))]
     if key == "decoder.final_layernorm.weight":
         return _whole("model.norm.weight", shape)
+    if key.startswith("decoder.hc_head."):  # mHC's collapse of the streams
+        return _whole("model.hc_head." + key[len("decoder.hc_head."):], shape)
     match = _LAYER_KEY.match(key)
     if match is None:
         raise UnmappedTensorError(f"{key}: no transformers name for this checkpoint tensor")

@@ -7,10 +7,13 @@ Written to --out:
   what the model hashed), ``layer<L>.memory`` ([S, B, E], the rows it gathered) and
   ``layer<L>.output`` ([S, B, d], the module's output, residual not included);
 - ``model_state.safetensors``: the single-rank model's state dict (``_extra_state`` left out);
-- ``rank0.json``: the iteration loaded and the layer ids recorded.
+- ``rank0.json``: the iteration loaded and the layer ids recorded;
+- ``hf_sharded/``, ``hf_single/``: both checkpoints exported with ``--format hf``, which must
+  be byte-identical (the script fails otherwise; ``hf_exports.json`` lists the files compared).
 The single-rank checkpoint goes to --save (a checkpoint.save folder).
 """
 
+import json
 import sys
 from pathlib import Path
 
@@ -44,6 +47,22 @@ def input_ids(vocab: int, pad_id: int) -> torch.Tensor:
     return ids
 
 
+def compare_hf_exports(sharded: Path, single: Path, config: Path, out: Path) -> None:
+    """``engram-export --format hf`` of the TP2 x PP2 x eps 2 checkpoint and of its single-rank
+    copy: the same files, byte for byte."""
+    from engram_train.hf.export import export_hf
+
+    a = export_hf(sharded, out / "hf_sharded", config=config, log=lambda _: None)
+    b = export_hf(single, out / "hf_single", config=config, log=lambda _: None)
+    files = sorted(p.name for p in a.iterdir())
+    if files != sorted(p.name for p in b.iterdir()):
+        raise AssertionError(f"--format hf exports hold different files: {files}")
+    differ = [n for n in files if (a / n).read_bytes() != (b / n).read_bytes()]
+    if differ:
+        raise AssertionError(f"--format hf exports of the two layouts differ in {differ}")
+    (out / "hf_exports.json").write_text(json.dumps({"files": files, "identical": True}))
+
+
 def main():
     args = parse_args({"--ckpt": dict(required=True), "--config": dict(required=True),
                        "--save": dict(required=True)})
@@ -61,6 +80,7 @@ def main():
     model = build_model(config, vocab, cfg.train.seq_length)
     loaded, _ = load_checkpoint(args.ckpt, model, strict=False)  # optimizer state left out
     save_checkpoint(args.save, loaded, model)
+    compare_hf_exports(Path(args.ckpt), Path(args.save), Path(args.config), Path(args.out))
 
     records = {}
 

@@ -39,7 +39,7 @@ def run_config(overrides: list[str], use_engram: bool, seq_length: int = 48):
 
 
 def perturb(model: torch.nn.Module, seed: int = 0) -> None:
-    """Norm weights, router biases and the Engram conv off their init (ones, zeros, zeros)."""
+    """Norm weights, router biases, the Engram conv and mHC's gating off their init."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -49,6 +49,8 @@ def perturb(model: torch.nn.Module, seed: int = 0) -> None:
                 p.copy_(0.3 * torch.randn(p.shape, generator=g))
             elif "value_proj" in name or "key_projs" in name:
                 p.mul_(5.0)
+            elif name.endswith(("_hc.scale", "hc_scale")):  # mHC gating off its small init
+                p.fill_(0.5)
         for name, b in model.named_buffers():
             if name.endswith("expert_bias"):
                 b.copy_(0.05 * torch.randn(b.shape, generator=g))

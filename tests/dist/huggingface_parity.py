@@ -1,6 +1,7 @@
 """The megatron side of tests/test_huggingface.py, on one process.
 
-Export: for each backbone of ``CASES`` (and the tiny preset with Engram) a model with every
+Export: for each backbone of ``CASES`` (and the tiny preset with Engram, on one residual stream
+and on mHC's four) a model with every
 weight off its init is saved by the trainer's checkpoint save, exported with
 ``engram-export --format hf`` into ``<out>/<case>/hf``, and its logits on fixed ids (and, with
 Engram, greedy decoding by full forward passes) are written to ``<out>/<case>/megatron.pt``.
@@ -84,13 +85,14 @@ def main():
     for name, overrides in CASES.items():
         export_case(out, name, overrides, use_engram=False)
     export_case(out, "engram", [], use_engram=True)
+    export_case(out, "engram_mhc", ["model.enable_hyper_connections=true"], use_engram=True)
     losses = {}
     if args.imported:
         batch = torch.load(args.batch)
         for label, engram in [("backbone", None), ("engram_zero", "zero"), ("engram_normal", "normal")]:
             losses[label] = imported_loss(Path(args.imported), batch, engram)
     (out / "import_losses.json").write_text(json.dumps(losses))
-    write_result(args.out, {"cases": [*CASES, "engram"], "losses": losses})
+    write_result(args.out, {"cases": [*CASES, "engram", "engram_mhc"], "losses": losses})
 
 
 if __name__ == "__main__":
