@@ -196,8 +196,9 @@ def _hf_moe(doc: dict, layers: int) -> dict:
     if doc.get("moe_layer_freq", 1) != 1:
         _refuse("moe_layer_freq", doc["moe_layer_freq"], "only 1 (every layer after "
                 "first_k_dense_replace is MoE) exists in transformers' DeepSeek-V3")
-    if first_k >= layers:
-        return {"first_k_dense_replace": None, "num_moe_experts": None}
+    if first_k >= layers:  # dense only
+        return {"first_k_dense_replace": None, "num_moe_experts": None, "moe_ffn_hidden_size": None,
+                "moe_shared_expert_intermediate_size": None}
     topk, experts = int(doc["num_experts_per_tok"]), int(doc["n_routed_experts"])
     groups, group_topk = int(doc.get("n_group") or 1), int(doc.get("topk_group") or 1)
     if doc.get("scoring_func", "sigmoid") != "sigmoid":
