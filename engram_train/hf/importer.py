@@ -225,6 +225,7 @@ def import_hf(hf: str | Path, out: str | Path, *, tokenizer: str | Path | None =
     cfg = _run_config(section, tokenizer_file, seq_length)
     config, model, opt = _build(cfg, vocab)
     warnings = fill_model(unwrap_model(model)[0], folder, doc, vocab, set(mtp))
+    folder.close()
     for warning in warnings:
         log(f"warning: {warning}")
     optimizer = build_optimizer(opt, model, config)  # after the fill: its state starts from it

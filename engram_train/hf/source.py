@@ -39,6 +39,10 @@ class HFFolder:
         self.block_size = tuple(block_size)
         self._open: dict[Path, object] = {}
 
+    def close(self) -> None:
+        """Drop the files' memory maps (their touched pages count as this process's memory)."""
+        self._open.clear()
+
     def names(self) -> list[str]:
         """Tensor names, fp8 scales left out (they belong to their weight)."""
         return [k for k in self.files if not k.endswith(SCALE_SUFFIX)]
