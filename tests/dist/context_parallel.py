@@ -111,7 +111,6 @@ def step_batches(step: int, eos=False):
 
 def setup(layout, sp, overrides, distopt, seed):
     init(layout, seed=seed)
-    overrides = {k: v for k, v in overrides.items()}
     cfg = model_config(layout, sp, **overrides)
     model = build(cfg, distopt)
     if len(model) > 1:
