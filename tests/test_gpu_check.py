@@ -14,7 +14,7 @@ from launch import REPO, free_port
 
 SCRIPT = REPO / "benchmarks" / "gpu_check.py"
 SECTIONS = ["environment", "te_spec", "nccl_embedding", "bf16_training", "prefetch", "offload",
-            "throughput"]
+            "context_parallel", "throughput"]
 
 
 def _env():
