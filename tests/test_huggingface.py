@@ -6,9 +6,10 @@ with Engram; each is saved, exported with ``--format hf`` and its logits recorde
 transformers loads every export (no missing, no unexpected keys) and must give the same logits
 (fp32, rel <= 1e-4); the Engram class (one residual stream, and mHC's four) must also decode
 greedily, with its cache, exactly as the megatron model does by full forward passes. The other direction: a random transformers
-DeepSeek-V3 (groups, yarn, ``rope_interleave: false``) is imported with engram-import-hf and
-loaded by the trainer's load path, whose loss must equal transformers' on the same batch,
-without Engram and with Engram under ``engram_value_init: zero``. The round trip (import,
+DeepSeek-V3 (groups, yarn, ``rope_interleave: false``) is imported with engram-import-hf (on one
+process, and on two pipeline stages) and loaded by the trainer's load path, whose loss must
+equal transformers' on the same batch, without Engram and with Engram under
+``engram_value_init: zero``. The round trip (import,
 three trainer steps with Engram, export, transformers load and generate) runs on every lane.
 """
 
@@ -98,10 +99,21 @@ def imported(hf_source):
 
 
 @pytest.fixture(scope="module")
-def parity(hf_source, imported):
+def imported_pp2(hf_source):
+    """The same folder imported on two pipeline stages (two processes)."""
+    out = hf_source.root / "imported_pp2"
+    _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+          f"--master-port={free_port()}", "-m", "engram_train.hf.importer",
+          "--hf", str(hf_source.hf), "--out", str(out), "--seq-length", "64",
+          "--pipeline-parallel-size", "2"], cwd=hf_source.root)
+    return out
+
+
+@pytest.fixture(scope="module")
+def parity(hf_source, imported, imported_pp2):
     out = hf_source.root / "parity"
     result = torchrun("huggingface_parity.py", 1, out, "--imported", str(imported),
-                      "--batch", str(hf_source.batch))[0]
+                      "--imported-pp2", str(imported_pp2), "--batch", str(hf_source.batch))[0]
     return SimpleNamespace(out=out, losses=result["losses"])
 
 
@@ -155,6 +167,7 @@ def test_imported_checkpoint_computes_the_transformers_loss(parity, hf_source):
     print(f"step-0 loss: transformers {hf_source.loss:.6f}, imported {losses}")
     assert abs(losses["backbone"] - hf_source.loss) / hf_source.loss <= TOL
     assert abs(losses["engram_zero"] - hf_source.loss) / hf_source.loss <= TOL
+    assert abs(losses["backbone_pp2"] - hf_source.loss) / hf_source.loss <= TOL
     assert losses["engram_normal"] != losses["engram_zero"]  # the normal init adds to h at once
 
 

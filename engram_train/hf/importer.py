@@ -2,14 +2,15 @@
 
     engram-import-hf --hf DIR --out CKPT_DIR [--tokenizer PATH] [--preset-name NAME]
 
-The backbone is built on one process exactly as the trainer builds it (model, megatron DDP, a
-fresh optimizer), its tensors are filled from the folder one at a time (fp8 dequantized on the
+The backbone is built exactly as the trainer builds it (model, megatron DDP, a fresh optimizer),
+on one process or split over pipeline stages (torchrun, ``--pipeline-parallel-size``); each
+stage fills its layers from the folder one tensor at a time (fp8 dequantized on the
 fly, ``rope_interleave: false`` rows reordered to megatron's interleaved layout), and the
 project's own checkpoint save writes ``CKPT_DIR/iter_0000000`` with its manifest and run
 identity. The model preset the folder implies goes to ``CKPT_DIR/conf/model/NAME.yaml``
 (Engram off, ``engram_value_init: zero``); the trainer adds Engram with
-``checkpoint.load_engram=false`` (docs/huggingface.md). Memory: the model and its optimizer
-state on this process, plus one folder tensor.
+``checkpoint.load_engram=false`` (docs/huggingface.md). Memory per process: its share of the
+model, its optimizer state and the save's copies, plus one folder tensor.
 """
 
 from __future__ import annotations
@@ -66,26 +67,38 @@ def _permute_rope(name: str, value: torch.Tensor, doc: dict) -> torch.Tensor:
     return value
 
 
+def global_names(chunk: torch.nn.Module) -> dict[str, tuple[str, int | None]]:
+    """This rank's state-dict names -> (dist-checkpoint key, global expert or None): a pipeline
+    stage numbers its layers from 0 and an expert-parallel rank its experts; megatron's layers
+    know their global number and their experts' global indices."""
+    layers = {j: (layer.layer_number - 1, getattr(layer.mlp, "local_expert_indices", None))
+              for j, layer in enumerate(chunk.decoder.layers)}
+    names = {}
+    for name, tensor in chunk.state_dict(keep_vars=True).items():
+        if "_extra_state" in name or not isinstance(tensor, torch.Tensor):
+            continue
+        match = re.match(r"^decoder\.layers\.(\d+)\.(.*)$", name)
+        if match:
+            layer, experts = layers[int(match.group(1))]
+            key, expert = local_to_global(f"decoder.layers.{layer}.{match.group(2)}")
+            names[name] = (key, None if expert is None else experts[expert])
+        else:
+            names[name] = (name, None)
+    return names
+
+
 def fill_model(chunk: torch.nn.Module, folder: HFFolder, doc: dict, vocab: int,
-               skip: set[str]) -> list[str]:
-    """Copy the folder's tensors into `chunk` (a single-rank megatron model); returns warnings.
-    Every folder tensor must land somewhere (`skip` aside) and every model tensor be filled."""
+               num_experts: int | None) -> tuple[set[str], list[str]]:
+    """Copy the folder's tensors into `chunk` (this rank's megatron model, any pipeline stage
+    and expert-parallel rank, TP 1); returns (folder tensors used, warnings)."""
     tied = bool(doc.get("tie_word_embeddings")) and "lm_head.weight" not in folder
     hf_rows = int(doc["vocab_size"])
     interleaved = doc.get("rope_interleave", True)
     used, warnings = set(), []
-    experts = {}
-    for name, tensor in chunk.state_dict(keep_vars=True).items():
-        if "_extra_state" in name or not isinstance(tensor, torch.Tensor):
-            continue
-        key, expert = local_to_global(name)
-        if expert is not None:
-            experts[key] = experts.get(key, 0) + 1
-    for name, tensor in chunk.state_dict(keep_vars=True).items():
-        if "_extra_state" in name or not isinstance(tensor, torch.Tensor):
-            continue
-        key, expert = local_to_global(name)
-        shape = (experts[key], *tensor.shape) if expert is not None else tuple(tensor.shape)
+    state = chunk.state_dict(keep_vars=True)
+    for name, (key, expert) in global_names(chunk).items():
+        tensor = state[name]
+        shape = (num_experts, *tensor.shape) if expert is not None else tuple(tensor.shape)
         rows = min(vocab, hf_rows)
         for piece in hf_pieces(key, shape, rows):
             if expert is not None and piece.start[0] != expert:
@@ -113,35 +126,45 @@ def fill_model(chunk: torch.nn.Module, folder: HFFolder, doc: dict, vocab: int,
                 tensor.data[rows:].zero_()
             warnings.append(f"{name}: rows {rows}..{shape[0] - 1} (megatron's padding beyond "
                             f"config.json vocab_size={hf_rows}) start at zero")
-    left = sorted(set(folder.names()) - used - skip)
-    if left:
-        raise HFImportError(f"{len(left)} tensors of {folder.folder} have no place in the model "
-                            f"built from its config.json, e.g. {left[:4]}")
     if hf_rows > vocab:
         warnings.append(f"config.json vocab_size={hf_rows} > the tokenizer's padded {vocab}: "
                         f"rows {vocab}.. of the embedding and lm_head are not imported")
     if tied:
         warnings.append("tie_word_embeddings: the output layer starts as a copy of the embedding "
                         "(the trainer keeps them apart)")
-    return warnings
+    return used, warnings
 
 
-def _run_config(section: dict, tokenizer: Path, seq_length: int):
+def check_all_used(folder: HFFolder, used: set[str], skip: set[str]) -> None:
+    """Every folder tensor landed on some rank (`skip` aside)."""
+    import torch.distributed as dist
+
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, sorted(used))
+    left = sorted(set(folder.names()) - set().union(*map(set, gathered)) - skip)
+    if left:
+        raise HFImportError(f"{len(left)} tensors of {folder.folder} have no place in the model "
+                            f"built from its config.json, e.g. {left[:4]}")
+
+
+def _run_config(section: dict, tokenizer: Path, seq_length: int, pipeline: int = 1):
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf, open_dict
 
     from engram_train.models.presets import CONF_DIR
 
     with initialize_config_dir(config_dir=str(Path(CONF_DIR).resolve()), version_base=None):
-        cfg = compose("train", overrides=[f"data.tokenizer={tokenizer}",
-                                          f"train.seq_length={seq_length}"])
+        cfg = compose("train", overrides=[
+            f"data.tokenizer={tokenizer}", f"train.seq_length={seq_length}",
+            f"system.pipeline_model_parallel_size={pipeline}"])
     with open_dict(cfg):
         cfg.model = OmegaConf.create(section)
     return cfg
 
 
 def _build(cfg, vocab: int):
-    """Model and optimizer as the trainer builds them (training/job.py), on one process."""
+    """Model and optimizer as the trainer builds them (training/job.py), in the layout of
+    ``cfg.system`` (pipeline stages; TP and EP 1)."""
     import torch.distributed as dist
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
@@ -150,11 +173,12 @@ def _build(cfg, vocab: int):
     from engram_train.runtime import ParallelSizes, initialize_distributed
     from engram_train.training.run_config import build_transformer_config
 
+    from engram_train.training.run_config import parallel_sizes
+
     config = build_transformer_config(cfg)
+    sizes = parallel_sizes(cfg)
     if not dist.is_initialized():
-        initialize_distributed(ParallelSizes(), seed=int(cfg.train.seed))
-    elif dist.get_world_size() != 1:
-        raise HFImportError("engram-import-hf runs on one process")
+        initialize_distributed(sizes, seed=int(cfg.train.seed))
     t = cfg.train
     ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
     model = build_model(config, vocab, int(t.seq_length), ddp)
@@ -186,8 +210,11 @@ def fresh_adam_state(optimizer) -> None:
 
 def import_hf(hf: str | Path, out: str | Path, *, tokenizer: str | Path | None = None,
               preset_name: str = "hf_import", drop_mtp: bool = False, engram_layer_ids=None,
-              seq_length: int = 4096, log: Callable[[str], None] | None = None) -> Path:
-    """Write `hf` as checkpoint `out` (iteration 0) and its preset; returns the preset file."""
+              seq_length: int = 4096, pipeline: int = 1,
+              log: Callable[[str], None] | None = None) -> Path:
+    """Write `hf` as checkpoint `out` (iteration 0) and its preset; returns the preset file.
+    With `pipeline` > 1 (torchrun, that many processes) each stage holds its layers."""
+    import torch.distributed as dist
     from megatron.core.utils import unwrap_model
     from omegaconf import OmegaConf
 
@@ -222,10 +249,11 @@ def import_hf(hf: str | Path, out: str | Path, *, tokenizer: str | Path | None =
     tokenizer_file = resolve_tokenizer_file(tokenizer or hf, field="--tokenizer")
     vocab = padded_vocab_size(load_tokenizer(tokenizer_file).vocab_size, 1)
     section = model_section(preset, layers, engram_layer_ids)
-    cfg = _run_config(section, tokenizer_file, seq_length)
+    cfg = _run_config(section, tokenizer_file, seq_length, pipeline)
     config, model, opt = _build(cfg, vocab)
-    warnings = fill_model(unwrap_model(model)[0], folder, doc, vocab, set(mtp))
+    used, warnings = fill_model(unwrap_model(model)[0], folder, doc, vocab, config.num_moe_experts)
     folder.close()
+    check_all_used(folder, used, set(mtp))
     for warning in warnings:
         log(f"warning: {warning}")
     optimizer = build_optimizer(opt, model, config)  # after the fill: its state starts from it
@@ -234,11 +262,13 @@ def import_hf(hf: str | Path, out: str | Path, *, tokenizer: str | Path | None =
                     extra={"consumed_samples": 0, "imported_from": str(hf.resolve())},
                     run_identity=run_identity(config, vocab))
     preset_file = out / "conf" / "model" / f"{preset_name}.yaml"
-    preset_file.parent.mkdir(parents=True, exist_ok=True)
-    section["engram_tokenizer_name_or_path"] = "${data.tokenizer}"
-    preset_file.write_text(f"# Imported from {hf.resolve()} by engram-import-hf.\n"
-                           + OmegaConf.to_yaml(OmegaConf.create(section)))
-    log(f"wrote {out}/iter_0000000 and {preset_file} in {time.perf_counter() - started:.1f} s")
+    if dist.get_rank() == 0:
+        preset_file.parent.mkdir(parents=True, exist_ok=True)
+        section["engram_tokenizer_name_or_path"] = "${data.tokenizer}"
+        preset_file.write_text(f"# Imported from {hf.resolve()} by engram-import-hf.\n"
+                               + OmegaConf.to_yaml(OmegaConf.create(section)))
+        log(f"wrote {out}/iter_0000000 and {preset_file} in {time.perf_counter() - started:.1f} s")
+    dist.barrier()
     return preset_file
 
 
@@ -259,6 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="import without the multi-token-prediction layers")
     parser.add_argument("--seq-length", type=int, default=4096,
                         help="train.seq_length the model is built for (RoPE tables)")
+    parser.add_argument("--pipeline-parallel-size", type=int, default=1,
+                        help="pipeline stages the model is split over (run under torchrun)")
     return parser
 
 
@@ -267,7 +299,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         import_hf(args.hf, args.out, tokenizer=args.tokenizer, preset_name=args.preset_name,
                   drop_mtp=args.drop_mtp, engram_layer_ids=args.engram_layer_ids,
-                  seq_length=args.seq_length)
+                  seq_length=args.seq_length, pipeline=args.pipeline_parallel_size)
     except (HFImportError, HFConfigError, HFSourceError) as err:
         raise SystemExit(f"engram-import-hf: error: {err}") from None
 

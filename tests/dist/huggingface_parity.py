@@ -9,7 +9,8 @@ Engram, greedy decoding by full forward passes) are written to ``<out>/<case>/me
 Import (``--imported CKPT``, written by engram-import-hf): the checkpoint is loaded by the
 trainer's load path (model, optimizer, ``load_engram=false``) into the backbone alone and into
 the backbone with Engram (value projection at zero, and at its normal init), and each one's
-loss on the batch of ``--batch`` is written to ``<out>/import_losses.json``.
+loss on the batch of ``--batch`` is written to ``<out>/import_losses.json``; so is the loss of
+``--imported-pp2`` (the same folder imported on two pipeline stages), backbone alone.
 """
 
 import json
@@ -79,7 +80,8 @@ def imported_loss(imported: Path, batch: dict, engram: str | None) -> float:
 
 
 def main():
-    args = parse_args({"--imported": dict(default=None), "--batch": dict(default=None)})
+    args = parse_args({"--imported": dict(default=None), "--imported-pp2": dict(default=None),
+                       "--batch": dict(default=None)})
     out = Path(args.out)
     initialize_distributed(ParallelSizes(), seed=3)
     for name, overrides in CASES.items():
@@ -91,6 +93,8 @@ def main():
         batch = torch.load(args.batch)
         for label, engram in [("backbone", None), ("engram_zero", "zero"), ("engram_normal", "normal")]:
             losses[label] = imported_loss(Path(args.imported), batch, engram)
+    if args.imported_pp2:  # imported on two pipeline stages, loaded on one rank
+        losses["backbone_pp2"] = imported_loss(Path(args.imported_pp2), batch, None)
     (out / "import_losses.json").write_text(json.dumps(losses))
     write_result(args.out, {"cases": [*CASES, "engram", "engram_mhc"], "losses": losses})
 
