@@ -164,6 +164,7 @@ def test_smoke_sweep_trains_two_variants_and_reports(tmp_path):
     for r in report["runs"]:
         assert r["tokens"] == 4 * 2 * 32
         assert math.isfinite(r["val_loss"]) and r["tokens_per_s"] > 0 and r["step_time_s"] > 0
+        assert r["tokens_per_s_best"] >= r["tokens_per_s"]
         assert [it for it, _ in r["val_curve"]] == [2, 4]
     moe, engram = report["runs"]
     assert moe["rho"] is None and engram["rho"] == 0.2
@@ -171,6 +172,7 @@ def test_smoke_sweep_trains_two_variants_and_reports(tmp_path):
     assert "| `engram_rho0.2` | " in done.stdout  # the summary table, printed at the end
     summary = {row["variant"]: row for row in report["summary"]}
     assert summary["moe"]["throughput_vs_moe"]["median"] == 1.0
+    assert summary["moe"]["best_throughput_vs_moe"]["median"] == 1.0
     for name in ("allocation_loss_vs_rho.png", "allocation_throughput.png",
                  "allocation_loss_curves.png"):
         assert (tmp_path / name).stat().st_size > 1000
