@@ -1,8 +1,8 @@
 """Hugging Face interop against transformers' own DeepSeek-V3 (docs/huggingface.md).
 
 One process builds megatron models (tests/dist/huggingface_parity.py): two backbones that
-differ in routing groups, RoPE flavour (plain, yarn) and dense/MoE layout, and the tiny preset
-with Engram; each is saved, exported with ``--format hf`` and its logits recorded. Here
+differ in routing groups, RoPE flavour (plain, yarn), dense/MoE layout and top-k (and, on
+megatron-core 0.16, q LoRA), and the tiny preset with Engram; each is saved, exported with ``--format hf`` and its logits recorded. Here
 transformers loads every export (no missing, no unexpected keys) and must give the same logits
 (fp32, rel <= 1e-4); the Engram class (one residual stream, and mHC's four) must also decode
 greedily, with its cache, exactly as the megatron model does by full forward passes. The other direction: a random transformers
@@ -37,7 +37,7 @@ TOKENIZER = REPO / "examples" / "data" / "tokenizer" / "tokenizer.json"
 DATA = REPO / "examples" / "data" / "demo_text_document"
 VOCAB = 4096
 TOL = 1e-4
-MOE_CASES = ["groups_rope", "yarn_dense2_noqlora"]
+MOE_CASES = ["groups_rope", "yarn_dense2_top1"]
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

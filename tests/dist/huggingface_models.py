@@ -4,11 +4,13 @@ away from its init (norms, router bias, the Engram conv), forward passes and gre
 from __future__ import annotations
 
 import os
+from importlib.metadata import version
 from pathlib import Path
 
 import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
+from packaging.version import Version
 
 REPO = Path(__file__).resolve().parents[2]
 TOKENIZER = REPO / "examples" / "data" / "tokenizer"
@@ -21,13 +23,16 @@ CASES = {
         "+model.moe_router_group_topk=2", "+model.moe_router_topk_scaling_factor=2.5",
         "model.first_k_dense_replace=1",
     ],
-    "yarn_dense2_noqlora": [
-        "model.q_lora_rank=null", "model.first_k_dense_replace=2", "model.moe_router_topk=1",
+    "yarn_dense2_top1": [
+        "model.first_k_dense_replace=2", "model.moe_router_topk=1",
         "+model.rope_type=yarn", "+model.rotary_scaling_factor=4.0",
         "+model.original_max_position_embeddings=32", "+model.mscale=1.0",
         "+model.mscale_all_dim=1.0", "model.rotary_base=5000",
     ],
 }
+if Version(version("megatron-core")) < Version("0.19"):
+    # without q LoRA too; megatron-core 0.19's MLA refuses the local spec's q norm without it
+    CASES["yarn_dense2_top1"].append("model.q_lora_rank=null")
 
 
 def run_config(overrides: list[str], use_engram: bool, seq_length: int = 48):
