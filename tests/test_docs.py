@@ -40,6 +40,9 @@ TOOLS = {
     "engram_train.export": ("engram_train.export", "main"),
     "engram-preprocess": ("engram_train.data.preprocess", "main"),
     "engram-plot": ("engram_train.plot", "main"),
+    "engram-import-hf": ("engram_train.hf.importer", "main"),
+    "engram_train.hf.importer": ("engram_train.hf.importer", "main"),
+    "engram-sweep": ("engram_train.sweep.cli", "main"),
 }
 SHELL_TOOLS = {"ls", "tail", "cat", "tensorboard"}
 # Commands the first-hour run validates instead of running: the environment is already set up
