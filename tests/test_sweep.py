@@ -191,3 +191,36 @@ def test_a_schedule_that_would_repeat_tokens_is_refused(tmp_path):
     done = _sweep("--variants", "moe", "--rhos", "", "--controls", "", "--train-iters", "100000",
                   "--out", str(tmp_path), *DEMO)
     assert done.returncode != 0 and "tokens would repeat" in done.stderr
+
+
+def test_frozen_tables_keep_their_init(tmp_path):
+    """engram_freeze_tables: after training steps with a non-zero LR the exported table is still
+    the init a fresh module draws (and the trained projections have moved away from it)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from engram_train.config import EngramConfig
+    from engram_train.engram.engram_module import Engram
+
+    train = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+         "-m", "engram_train.train", "+model.engram_freeze_tables=true", "train.train_iters=2",
+         "train.seq_length=32", "train.global_batch_size=2", "train.micro_batch_size=2",
+         "train.eval_interval=null", f"experiment.exp_dir={tmp_path / 'run'}",
+         f"checkpoint.save={tmp_path / 'ckpt'}"],
+        cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert train.returncode == 0, train.stderr[-3000:]
+    export = subprocess.run([sys.executable, "-m", "engram_train.export", "--load",
+                             str(tmp_path / "ckpt"), "--config", str(tmp_path / "run" / "config.yaml"),
+                             "--out", str(tmp_path / "export")],
+                            cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert export.returncode == 0, export.stderr[-3000:]
+    trained = load_file(tmp_path / "export" / "engram_layer1.safetensors")
+    config = EngramConfig(
+        use_engram=True, engram_tokenizer_name_or_path=str(REPO / "examples/data/tokenizer"),
+        engram_vocab_size=[20011, 20011], max_ngram_size=3, n_embed_per_ngram=64,
+        n_head_per_ngram=4, engram_layer_ids=[1, 3])  # deepseek_v3_tiny's Engram
+    fresh = Engram(config, hidden_size=64, layer_id=1).state_dict()
+    assert torch.equal(trained["multi_head_embedding.embedding.weight"],
+                       fresh["multi_head_embedding.weight"])
+    assert not torch.equal(trained["norm1.0.weight"], fresh["norm1.0.weight"])  # it trained
