@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
+from omegaconf import OmegaConf
 
 from engram_train.sweep.variants import SweepError, Variant
 
@@ -98,7 +98,7 @@ def check_single_epoch(schedule: Schedule) -> dict[str, int]:
 def write_model_configs(variants: Sequence[Variant], conf_dir: Path) -> None:
     (conf_dir / "model").mkdir(parents=True, exist_ok=True)
     for v in variants:
-        text = f"# engram-sweep variant {v.name}\n" + yaml.safe_dump(v.model, sort_keys=False)
+        text = f"# engram-sweep variant {v.name}\n" + OmegaConf.to_yaml(OmegaConf.create(v.model))
         (conf_dir / "model" / f"{v.name}.yaml").write_text(text)
 
 
