@@ -16,48 +16,32 @@ picks this class only when TE is absent).
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from engram_train.models.local_modules import SDPACoreAttention
 from engram_train.parallel.context import zigzag_positions
 
 
-class ContextParallelCoreAttention(MegatronModule):
-    """Core attention [s_local, b, heads, dim] -> [s_local, b, heads * v_dim] under CP, with the
-    constructor of megatron's core attention slot (``SDPACoreAttention``'s, CP allowed)."""
+class ContextParallelCoreAttention(SDPACoreAttention):
+    """Core attention [s_local, b, heads, dim] -> [s_local, b, heads * v_dim] under CP: the local
+    spec's ``SDPACoreAttention`` (its constructor and SDPA call) over the gathered K/V."""
 
-    def __init__(
-        self,
-        config: TransformerConfig,
-        layer_number: int,
-        attn_mask_type: AttnMaskType,
-        attention_type: str,
-        attention_dropout: Optional[float] = None,
-        softmax_scale: Optional[float] = None,
-        k_channels: Optional[int] = None,
-        v_channels: Optional[int] = None,
-        cp_comm_type: Optional[str] = None,
-        pg_collection=None,
-    ):
-        super().__init__(config=config)
+    def __init__(self, config: TransformerConfig, *args, pg_collection=None, **kwargs):
+        super().__init__(config, *args, pg_collection=pg_collection, **kwargs)
         from megatron.core import parallel_state
 
         cp = getattr(pg_collection, "cp", None) if pg_collection is not None else None
         self.cp_group = cp if cp is not None else parallel_state.get_context_parallel_group()
-        self.attn_mask_type = attn_mask_type
-        k_channels = k_channels or config.kv_channels
-        self.softmax_scale = (softmax_scale if softmax_scale is not None
-                              else 1.0 / math.sqrt(k_channels))
-        self.dropout_p = (config.attention_dropout if attention_dropout is None
-                          else attention_dropout)
         self._masks: dict[tuple, torch.Tensor] = {}
+
+    @staticmethod
+    def _check_context_parallel(config: TransformerConfig) -> None:
+        pass  # any context_parallel_size: this class implements it
 
     def causal_mask(self, local_len: int, device) -> torch.Tensor:
         """[s_local, cp x s_local] bool, True where the query may attend (cached per length)."""
@@ -92,19 +76,5 @@ class ContextParallelCoreAttention(MegatronModule):
         # K/V of every CP rank, in rank order; backward sums their gradients onto the owners.
         key, value = (gather_from_sequence_parallel_region(
             t, tensor_parallel_output_grad=True, group=self.cp_group) for t in (key, value))
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]
-        if k.shape[1] != q.shape[1]:  # grouped-query attention
-            repeat = q.shape[1] // k.shape[1]
-            k = k.repeat_interleave(repeat, dim=1)
-            v = v.repeat_interleave(repeat, dim=1)
-        mask = self.causal_mask(q.shape[2], q.device)
-        dropout = self.dropout_p if self.training else 0.0
-        if dropout > 0.0:
-            from megatron.core.tensor_parallel import get_cuda_rng_tracker
-
-            with get_cuda_rng_tracker().fork():
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
-                                                     scale=self.softmax_scale)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.softmax_scale)
-        return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)
+        return self._attend(query, key, value, self.causal_mask(query.shape[0], query.device),
+                            causal=False)

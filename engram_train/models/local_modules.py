@@ -37,11 +37,7 @@ class SDPACoreAttention(MegatronModule):
         pg_collection=None,
     ):
         super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise ValueError(
-                "context_parallel_size > 1 needs Transformer Engine's attention; the local spec's "
-                "SDPACoreAttention supports context_parallel_size=1 only"
-            )
+        self._check_context_parallel(config)
         self.attn_mask_type = attn_mask_type
         k_channels = k_channels or config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(k_channels)
@@ -62,16 +58,28 @@ class SDPACoreAttention(MegatronModule):
                 "packed sequences and attention bias need Transformer Engine's attention"
             )
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
-        # [s, b, h, d] -> [b, h, s, d]
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        if k.shape[1] != q.shape[1]:  # grouped-query attention
-            repeat = q.shape[1] // k.shape[1]
-            k = k.repeat_interleave(repeat, dim=1)
-            v = v.repeat_interleave(repeat, dim=1)
         causal = mask_type == AttnMaskType.causal
         mask = None
         if not causal and attention_mask is not None:
             mask = ~attention_mask  # megatron masks are True where attention is NOT allowed
+        return self._attend(query, key, value, mask, causal)
+
+    @staticmethod
+    def _check_context_parallel(config: TransformerConfig) -> None:
+        if config.context_parallel_size != 1:
+            raise ValueError(
+                "context_parallel_size > 1 needs Transformer Engine's attention; the local spec's "
+                "SDPACoreAttention supports context_parallel_size=1 only"
+            )
+
+    def _attend(self, query, key, value, mask: Optional[torch.Tensor], causal: bool) -> torch.Tensor:
+        """torch SDPA on megatron's [s, b, h, d] (K/V may cover more positions than Q; grouped
+        K/V heads are repeated), dropout under megatron's RNG tracker -> [s_q, b, h * dv]."""
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]
+        if k.shape[1] != q.shape[1]:  # grouped-query attention
+            repeat = q.shape[1] // k.shape[1]
+            k = k.repeat_interleave(repeat, dim=1)
+            v = v.repeat_interleave(repeat, dim=1)
         dropout = self.dropout_p if self.training else 0.0
         if dropout > 0.0:
             from megatron.core.tensor_parallel import get_cuda_rng_tracker
