@@ -61,7 +61,7 @@ from engram_train.export.config_source import (  # noqa: F401  (part of this mod
 from engram_train.export.engram_tensors import check_engram_tensors
 from engram_train.export.errors import ExportError
 from engram_train.export.locate import resolve_checkpoint, verify_files
-from engram_train.export.safetensors_io import DTYPE_NAMES, SafetensorsWriter, TensorSpec
+from engram_train.export.safetensors_io import DTYPE_NAMES, SafetensorsWriter, TensorSpec, shard_groups
 
 # The training table dtypes, plus fp16 for serving (an export may store tables narrower).
 TABLE_DTYPES = {**{n: getattr(torch, t) for n, t in ENGRAM_TABLE_DTYPES.items()}, "fp16": torch.float16}
@@ -79,19 +79,6 @@ def _write_file(path: Path, reader: DistCheckpointReader, sources: dict[str, str
     with SafetensorsWriter(path, specs, FILE_METADATA) as writer:
         for name, key in sources.items():
             reader.copy_chunks(key, functools.partial(writer.region, name))
-
-
-def _shards(tensors: list[StoredTensor], max_bytes: int) -> list[list[StoredTensor]]:
-    """Consecutive groups of at most `max_bytes` (a larger tensor gets a shard of its own)."""
-    shards: list[list[StoredTensor]] = [[]]
-    size = 0
-    for t in tensors:
-        if shards[-1] and size + t.nbytes > max_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(t)
-        size += t.nbytes
-    return [s for s in shards if s]
 
 
 @dataclass
@@ -178,7 +165,7 @@ def write_export(plan: ExportPlan, folder: Path, *, table_dtype: torch.dtype | N
         log(f"layer {layer_id}: table {table.shape[0]} x {table.shape[1]} from "
             f"{len(table.chunks)} stored shard(s) -> {layer_file(layer_id)}")
 
-    shards = _shards(plan.backbone, max_shard_bytes)
+    shards = [s for s in shard_groups(plan.backbone, max_shard_bytes) if s]
     weight_map = {}
     for index, shard in enumerate(shards, start=1):
         name = backbone_file(index, len(shards))

@@ -254,3 +254,18 @@ class MappedSafetensors:
         if entry.start % _itemsize(entry.dtype):
             raw = raw.clone()  # written by another tool without alignment: copy this one
         return raw.view(entry.dtype).view(entry.shape)
+
+
+def shard_groups(items: Sequence, max_bytes: int, first_bytes: int = 0) -> list[list]:
+    """Consecutive groups of ``items`` (each with ``nbytes``) of at most ``max_bytes`` per file,
+    the first file already holding ``first_bytes``; a larger item gets a file of its own. Always
+    at least one group (empty when there are no items)."""
+    groups: list[list] = [[]]
+    size = first_bytes
+    for item in items:
+        if groups[-1] and size + item.nbytes > max_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(item)
+        size += item.nbytes
+    return groups

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from engram_train.export.checkpoint_reader import DistCheckpointReader, StoredTensor
-from engram_train.export.safetensors_io import SafetensorsWriter, TensorSpec
+from engram_train.export.safetensors_io import SafetensorsWriter, TensorSpec, shard_groups
 from engram_train.hf.config_map import HFConfigError, hf_config
 from engram_train.hf.names import Piece, UnmappedTensorError, hf_pieces
 
@@ -106,24 +106,12 @@ def writer_dtype(writer: SafetensorsWriter, pieces: list[Piece]) -> torch.dtype:
     return writer.entries[pieces[0].name].dtype
 
 
-def _shards(items: list[_Item], extra_bytes: int, max_bytes: int) -> list[list[_Item]]:
-    shards: list[list[_Item]] = [[]]
-    size = extra_bytes
-    for item in items:
-        if shards[-1] and size + item.nbytes > max_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(item)
-        size += item.nbytes
-    return shards
-
-
 def write_weights(folder: Path, reader: DistCheckpointReader, items: list[_Item],
                   extra: dict[str, torch.Tensor], max_shard_bytes: int) -> int:
     """The safetensors shards and their index; `extra` (small tensors) go into the first
     shard. Returns the total bytes."""
     extra_bytes = sum(t.numel() * t.element_size() for t in extra.values())
-    shards = _shards(items, extra_bytes, max_shard_bytes)
+    shards = shard_groups(items, max_shard_bytes, first_bytes=extra_bytes)
     weight_map, total = {}, extra_bytes
     for index, shard in enumerate(shards, start=1):
         name = shard_file(index, len(shards))
