@@ -123,36 +123,35 @@ def _load(folder: Path):
     return model.eval(), info
 
 
+def _load_matching_megatron(parity, case: str):
+    """The case's export, loaded by transformers with no missing or unexpected key, and its
+    logits within TOL of the megatron model's; (model, megatron's record)."""
+    model, info = _load(parity.out / case / "hf")
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    record = torch.load(parity.out / case / "megatron.pt")
+    with torch.no_grad():
+        logits = model(record["ids"]).logits
+    diff = rel(logits, record["logits"])
+    print(f"{case}: largest relative logit difference {diff:.2e}")
+    assert diff <= TOL
+    return model, record
+
+
 @pytest.mark.parametrize("case", MOE_CASES)
 def test_export_is_a_stock_deepseek_v3_folder_with_the_same_logits(parity, case):
     folder = parity.out / case / "hf"
     names = sorted(p.name for p in folder.iterdir())
     assert "model.safetensors.index.json" in names and "tokenizer.json" in names
     assert len([n for n in names if n.startswith("model-0")]) > 1  # sharded at 1 MiB
-    model, info = _load(folder)
+    model, _ = _load_matching_megatron(parity, case)
     assert type(model) is transformers.DeepseekV3ForCausalLM
     assert json.loads((folder / "config.json").read_text())["model_type"] == "deepseek_v3"
-    assert not info["missing_keys"] and not info["unexpected_keys"], info
-    record = torch.load(parity.out / case / "megatron.pt")
-    with torch.no_grad():
-        logits = model(record["ids"]).logits
-    diff = rel(logits, record["logits"])
-    print(f"{case}: largest relative logit difference {diff:.2e}")
-    assert diff <= TOL
 
 
 @pytest.mark.parametrize("case", ["engram", "engram_mhc"])
 def test_engram_class_matches_megatron_and_decodes_with_its_cache(parity, case):
-    folder = parity.out / case / "hf"
-    model, info = _load(folder)
+    model, record = _load_matching_megatron(parity, case)
     assert type(model).__name__ == "EngramDeepseekV3ForCausalLM"
-    assert not info["missing_keys"] and not info["unexpected_keys"], info
-    record = torch.load(parity.out / case / "megatron.pt")
-    with torch.no_grad():
-        logits = model(record["ids"]).logits
-    diff = rel(logits, record["logits"])
-    print(f"{case}: largest relative logit difference {diff:.2e}")
-    assert diff <= TOL
     prompt = record["ids"][:, :8]
     cached = model.generate(prompt, max_new_tokens=32, min_new_tokens=32, do_sample=False)
     assert torch.equal(cached, record["greedy"])  # megatron: greedy by full forward passes

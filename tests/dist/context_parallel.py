@@ -21,12 +21,12 @@ sys.path.insert(0, str(Path(__file__).parents[1]))
 import torch
 import torch.distributed as dist
 from common import SEQ, VOCAB, parse_args, repeated_batches, tiny_config, write_result
-from engram_integration import ENGRAM
+from engram_integration import ENGRAM, build
 
 from engram_train.runtime import ParallelSizes, initialize_distributed
 
 from megatron.core import parallel_state
-from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.distributed import finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig
 
 try:
@@ -35,7 +35,6 @@ except ImportError:  # before the checkpoint package
     from engram_train.checkpointing import load_checkpoint, save_checkpoint
 from engram_train.config import EngramConfig, EngramMLATransformerConfig
 from engram_train.engram.ngram_hash import NgramHashMapping
-from engram_train.models.builder import build_model
 from engram_train.training.optimizer import build_optimizer
 from engram_train.training.step import train_step
 
@@ -90,11 +89,6 @@ def model_config(layout: ParallelSizes, sp=False, **overrides):
                       config_class=EngramMLATransformerConfig, **fields)
     cfg.finalize_model_grads_func = finalize_model_grads
     return cfg
-
-
-def build(cfg, distopt=False):
-    return build_model(cfg, VOCAB, SEQ, DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, use_distributed_optimizer=distopt))
 
 
 def step_batches(step: int, eos=False):

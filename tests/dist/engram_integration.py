@@ -107,8 +107,9 @@ def init(layout: ParallelSizes, seed=1):
     initialize_distributed(layout, seed=seed)
 
 
-def build(cfg):
-    return build_model(cfg, VOCAB, SEQ, DistributedDataParallelConfig(grad_reduce_in_fp32=True))
+def build(cfg, distopt=False):
+    return build_model(cfg, VOCAB, SEQ, DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=distopt))
 
 
 def shared_tmpdir():

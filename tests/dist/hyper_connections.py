@@ -23,12 +23,12 @@ sys.path.insert(0, str(Path(__file__).parents[1]))
 import torch
 import torch.distributed as dist
 from common import SEQ, VOCAB, parse_args, repeated_batches, tiny_config, write_result
-from engram_integration import ENGRAM, dp_share_of_step
+from engram_integration import ENGRAM, build, dp_share_of_step
 
 from engram_train.runtime import ParallelSizes, initialize_distributed
 
 from megatron.core import parallel_state
-from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.distributed import finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig
 
 from engram_train.checkpoint import load_checkpoint, save_checkpoint
@@ -76,11 +76,6 @@ def mhc_config(layout: ParallelSizes, sp=False, engram=True, **overrides):
                       config_class=EngramMLATransformerConfig, **fields)
     cfg.finalize_model_grads_func = finalize_model_grads
     return cfg
-
-
-def build(cfg, distopt=False):
-    return build_model(cfg, VOCAB, SEQ, DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, use_distributed_optimizer=distopt))
 
 
 def shared_tmpdir() -> Path:
