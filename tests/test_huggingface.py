@@ -27,7 +27,7 @@ import pytest
 import torch
 from launch import REPO, free_port, torchrun
 
-transformers = pytest.importorskip("transformers")
+import transformers  # noqa: E402 - a test dependency (pyproject's test extra): never skipped
 
 import engram_train.hf  # noqa: E402 - registers the Engram classes
 from engram_train.hf.config_map import HFConfigError, hf_config, preset_from_hf  # noqa: E402
