@@ -24,6 +24,16 @@ from engram_train.checkpoint.partial import load_without_engram
 from engram_train.checkpoint.state import check_loaded, full_sharded_state_dict, load_chunks
 
 
+def holds_optimizer_state(ckpt: str | os.PathLike) -> bool:
+    """Whether checkpoint ``ckpt`` was saved with optimizer state (an import may hold the
+    model's weights only)."""
+    try:
+        common = dist_checkpointing.load_common_state_dict(str(ckpt))
+    except Exception as e:
+        raise DamagedCheckpointError(f"{ckpt}: cannot read its common state ({e})") from e
+    return "optimizer" in common
+
+
 def load_checkpoint_dir(
     ckpt: str | os.PathLike,
     model: list[torch.nn.Module],

@@ -87,3 +87,40 @@ def build_lr_scheduler(
         use_checkpoint_opt_param_scheduler=True,
         override_opt_param_scheduler=False,
     )
+
+
+# The parts of an optimizer param group that belong to the LR schedule. megatron's scheduler
+# reads each group's ``max_lr``/``min_lr`` before its own (``OptimizerParamScheduler.get_lr``),
+# and loading optimizer state restores the saved groups' values: without a correction the
+# checkpoint's peak and floor would stay in force whatever the scheduler was told.
+SCHEDULE_GROUP_KEYS = ("max_lr", "min_lr")
+
+
+def group_schedule(optimizer) -> list[dict]:
+    """Each param group's ``max_lr``/``min_lr``, in the optimizer's group order."""
+    return [{k: g[k] for k in SCHEDULE_GROUP_KEYS if k in g} for g in optimizer.param_groups]
+
+
+def resume_schedule(scheduler, optimizer, run_groups: list[dict], saved: dict | None, consumed: int) -> str:
+    """Put the LR schedule of a resumed run in force, as Megatron-LM's flags mean it.
+
+    Called after the optimizer state was loaded; ``run_groups`` is `group_schedule` of the
+    optimizer as this run built it. ``checkpoint.use_checkpoint_opt_param_scheduler``: the
+    checkpoint's schedule (scheduler state and the groups' values as loaded). Otherwise this
+    run's values: with ``override_opt_param_scheduler`` counted from the checkpoint's sample
+    count, with neither flag after `check_schedule` found them equal. A checkpoint without
+    scheduler state (an import) carries no schedule: this run's applies from ``consumed``
+    samples (0 for an import). Returns which schedule applies, for the log.
+    """
+    if saved and scheduler.use_checkpoint_opt_param_scheduler:
+        scheduler.load_state_dict(saved)
+        return "the checkpoint's"
+    groups = optimizer.param_groups
+    for group, values in zip(groups, run_groups, strict=True):
+        group.update(values)
+    if saved:
+        scheduler.load_state_dict(saved)  # override: this run's values; neither: equal to them
+    else:
+        scheduler.num_steps = 0
+        scheduler.step(increment=consumed)
+    return "this run's"

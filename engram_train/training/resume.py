@@ -14,10 +14,11 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from engram_train.checkpoint.layout import TRACKER, iteration_dir, list_checkpoints
-from engram_train.checkpoint.load import load_checkpoint_dir
+from engram_train.checkpoint.load import holds_optimizer_state, load_checkpoint_dir
 from engram_train.checkpoint.selection import select_checkpoint
 from engram_train.metrics import METRICS_FILE, TENSORBOARD_DIR, MetricsWriter
 from engram_train.training.job import Job
+from engram_train.training.optimizer import group_schedule, resume_schedule
 from engram_train.training.plan import Plan, check_resume
 
 log = logging.getLogger("engram_train")
@@ -58,16 +59,27 @@ def resume(job: Job, plan: Plan) -> Progress:
                             iteration_dir(plan.resume_from, iteration), "\n  ".join(problems))  # fmt: skip
         if selection.skipped:  # `check` looked at a newer one
             check_resume(cfg, plan, selection.path, selection.manifest)
+        run_groups = group_schedule(job.optimizer)  # this run's LR values, before the load
+        with_optimizer = holds_optimizer_state(selection.path)
         iteration, extra = load_checkpoint_dir(
-            selection.path, job.model, job.optimizer, load_engram=bool(c.load_engram)
-        )
-        if "scheduler" in extra:
-            job.scheduler.load_state_dict(extra["scheduler"])
+            selection.path, job.model, job.optimizer if with_optimizer else None,
+            load_engram=bool(c.load_engram),
+        )  # fmt: skip
         progress = Progress(
             iteration=iteration,
             consumed=int(extra.get("consumed_samples", iteration * cfg.train.global_batch_size)),
             last_saved=iteration,
         )
+        saved = extra.get("scheduler")
+        which = resume_schedule(job.scheduler, job.optimizer, run_groups, saved, progress.consumed)
+        if job.rank == 0:
+            if not with_optimizer:
+                log.info("%s holds no optimizer state (model weights only): the optimizer starts afresh",
+                         selection.path)  # fmt: skip
+            log.info("LR schedule: %s (lr %g, min_lr %g, warm-up %d samples, decay %d samples), at sample %d%s",
+                     which, job.scheduler.max_lr, job.scheduler.min_lr, job.scheduler.lr_warmup_steps,
+                     job.scheduler.lr_decay_steps, job.scheduler.num_steps,
+                     "" if saved else " (the checkpoint carries no schedule)")  # fmt: skip
         if job.rank == 0:
             how = "" if selection.found_by == "tracker" else " (no tracker file: the newest complete one)"
             log.info("resumed from %s%s at iteration %d (%d samples consumed)%s", selection.path, how,
