@@ -226,7 +226,7 @@ def test_tp2_pp2_eps2_export_equals_single_rank_export(exports, trained):
     assert files == sorted(p.name for p in exports.single.iterdir())
     assert files == sorted([
         "backbone-00001-of-00001.safetensors", "backbone.safetensors.index.json",
-        "engram_config.json", "engram_hash.safetensors", "engram_layer1.safetensors",
+        ".engram-export.json", "engram_config.json", "engram_hash.safetensors", "engram_layer1.safetensors",
         "engram_layer3.safetensors", "tokenizer.json",
     ])
     for name in files:
@@ -689,6 +689,11 @@ def test_cli_writes_atomically_and_replaces_with_force(trained, tmp_path, monkey
     monkeypatch.undo()
 
     out.mkdir()
+    (out / "old").write_text("old")
+    assert "is not an earlier export" in _cli_error("--load", trained.ckpt, "--out", out, "--force")
+    assert (out / "old").read_text() == "old"  # --force replaces only an earlier export
+    (out / "old").unlink()
+    main(["--load", str(trained.ckpt), "--out", str(out), "--iteration", "2"])
     (out / "old").write_text("old")
     main(["--load", str(trained.ckpt), "--out", str(out), "--force", "--iteration", "2"])
     assert not (out / "old").exists() and (out / "engram_config.json").is_file()

@@ -24,14 +24,28 @@ from engram_train.checkpoint.partial import load_without_engram
 from engram_train.checkpoint.state import check_loaded, full_sharded_state_dict, load_chunks
 
 
-def holds_optimizer_state(ckpt: str | os.PathLike) -> bool:
-    """Whether checkpoint ``ckpt`` was saved with optimizer state (an import may hold the
+def saved_param_groups(ckpt: str | os.PathLike) -> list[list[dict]] | None:
+    """The optimizer param groups checkpoint ``ckpt`` holds, one list per optimizer of its chain
+    in chain order; None when it was saved without optimizer state (an import may hold the
     model's weights only)."""
     try:
         common = dist_checkpointing.load_common_state_dict(str(ckpt))
     except Exception as e:
         raise DamagedCheckpointError(f"{ckpt}: cannot read its common state ({e})") from e
-    return "optimizer" in common
+    if "optimizer" not in common:
+        return None
+    found: list[list[dict]] = []
+
+    def walk(node) -> None:
+        if isinstance(node, dict):
+            if isinstance(node.get("param_groups"), list):
+                found.append(node["param_groups"])
+                return
+            for value in node.values():
+                walk(value)
+
+    walk(common["optimizer"])
+    return found
 
 
 def load_checkpoint_dir(

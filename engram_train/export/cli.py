@@ -6,7 +6,8 @@ import argparse
 import re
 
 from engram_train.export.errors import ExportError
-from engram_train.export.exporter import DEFAULT_SHARD_BYTES, TABLE_DTYPES, export_checkpoint
+from engram_train.export.exporter import DEFAULT_SHARD_BYTES, TABLE_DTYPES
+from engram_train.export.publish import FORMATS
 
 
 def _parse_size(text: str) -> int:
@@ -39,10 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="store the Engram tables in this dtype (default: as trained)")
     parser.add_argument("--max-shard-size", type=_parse_size, default=DEFAULT_SHARD_BYTES,
                         metavar="SIZE", help="largest backbone file, e.g. 5GB (default)")
-    parser.add_argument("--format", choices=["engram", "hf"], default="engram",
-                        help="engram (default): this project's inference export; hf: a "
-                             "transformers model folder (docs/huggingface.md)")
-    parser.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    parser.add_argument("--format", choices=list(FORMATS), default="engram",
+                        help="; ".join(f"{f.name}: {f.description}" for f in FORMATS.values())
+                        + " (default: engram)")
+    parser.add_argument("--force", action="store_true",
+                        help="replace an earlier export at --out (never anything else)")
     parser.add_argument("--no-verify", dest="verify", action="store_false",
                         help="skip the SHA-256 of every checkpoint file against its manifest "
                              "(sizes are still compared); for very large checkpoints")
@@ -51,18 +53,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    fmt = FORMATS[args.format]
+    options = {"table_dtype": args.table_dtype}
+    given = [name for name, value in options.items() if value is not None and name not in fmt.options]
     try:
-        if args.format == "hf":
-            from engram_train.hf.export import export_hf
-
-            export_hf(args.load, args.out, iteration=args.iteration, config=args.config,
-                      tokenizer=args.tokenizer, force=args.force,
-                      max_shard_bytes=args.max_shard_size, verify=args.verify)
-            return
-        export_checkpoint(
+        if given:
+            raise ExportError(f"--{given[0].replace('_', '-')} does not apply to --format {fmt.name}; "
+                              "drop it")  # fmt: skip
+        fmt.load()(
             args.load, args.out, iteration=args.iteration, config=args.config,
-            tokenizer=args.tokenizer, force=args.force, table_dtype=args.table_dtype,
-            max_shard_bytes=args.max_shard_size, verify=args.verify,
+            tokenizer=args.tokenizer, force=args.force, max_shard_bytes=args.max_shard_size,
+            verify=args.verify, **{name: options[name] for name in fmt.options},
         )
     except ExportError as err:
         raise SystemExit(f"engram-export: error: {err}") from None

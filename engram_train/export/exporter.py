@@ -6,8 +6,8 @@
 manifest (``locate.py``), the run config it was trained with and its hash identity
 (``config_source.py``), every Engram tensor's shape (``engram_tensors.py``). `write_export`
 then reads the megatron dist checkpoint of any layout tensor by tensor (one stored shard in
-memory at a time) into a temporary folder next to DIR that is renamed to DIR only when
-complete. The command line is ``cli.py``.
+memory at a time) into the folder `publish` renames to DIR only when complete
+(``publish.py``, shared with ``--format hf``). The command line is ``cli.py``.
 """
 
 from __future__ import annotations
@@ -17,8 +17,6 @@ import json
 import os
 import re
 import shutil
-import sys
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +42,6 @@ from engram_train.export.format import (
     multipliers_tensor,
     primes_tensor,
 )
-from engram_train.checkpoint.layout import fsync_dir
 from engram_train.config import ENGRAM_TABLE_DTYPES
 from engram_train.engram.compressed_tokenizer import (
     CompressedTokenizer,
@@ -60,6 +57,7 @@ from engram_train.export.config_source import (  # noqa: F401  (part of this mod
 )
 from engram_train.export.engram_tensors import check_engram_tensors
 from engram_train.export.errors import ExportError
+from engram_train.export.publish import check_out, publish, stderr_log
 from engram_train.export.locate import resolve_checkpoint, verify_files
 from engram_train.export.safetensors_io import DTYPE_NAMES, SafetensorsWriter, TensorSpec, shard_groups
 
@@ -208,12 +206,8 @@ def export_checkpoint(
 ) -> Path:
     """Write the export of checkpoint `load` into `out` (see the module docstring); returns
     `out`. Nothing appears at `out` unless the whole export succeeded."""
-    log = log or (lambda message: print(f"engram-export: {message}", file=sys.stderr))
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise ExportError(f"--out {out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise ExportError(f"--out {out} is not empty; pass --force to replace it")
+    log = log or stderr_log
+    out = check_out(out, load, force=force)
     if table_dtype is not None and table_dtype not in TABLE_DTYPES:
         raise ExportError(f"--table-dtype {table_dtype!r} must be one of {sorted(TABLE_DTYPES)}")
     if max_shard_bytes < 1:
@@ -221,17 +215,9 @@ def export_checkpoint(
 
     plan = plan_export(load, iteration=iteration, config=config, tokenizer=tokenizer, verify=verify,
                        log=log)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
-    try:
-        write_export(plan, tmp, table_dtype=TABLE_DTYPES.get(table_dtype),
-                     max_shard_bytes=max_shard_bytes, log=log)
-        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp made it private
-        fsync_dir(tmp)
-        _replace_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    publish(out, "engram", lambda folder: write_export(
+        plan, folder, table_dtype=TABLE_DTYPES.get(table_dtype), max_shard_bytes=max_shard_bytes, log=log),
+        log)  # fmt: skip
     log(f"wrote {out}")
     return out
 
@@ -243,24 +229,7 @@ def _dumps(document: dict) -> str:
                   text)
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
 def _vocab_size(reader: DistCheckpointReader) -> int | None:
     """Padded vocabulary of the input embedding (megatron pads it to a TP-friendly multiple)."""
     stored = reader.tensors.get("embedding.word_embeddings.weight")
     return int(stored.shape[0]) if stored is not None else None
-
-
-def _replace_dir(tmp: Path, out: Path) -> None:
-    """Rename the finished export into place (replacing an old one: --force)."""
-    old = None
-    if out.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
-        os.replace(out, old / out.name)
-    os.replace(tmp, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -189,12 +187,11 @@ def export_hf(load, out, *, iteration=None, config=None, tokenizer=None, force=F
     from engram_train.export.errors import ExportError
     from engram_train.export.exporter import plan_export
     from engram_train.export.locate import resolve_checkpoint, verify_files
+    from engram_train.export.publish import check_out, publish, stderr_log
     from engram_train.training.run_config import padded_vocab_size
 
-    log = log or (lambda message: print(f"engram-export: {message}", flush=True))
-    out = Path(out)
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise ExportError(f"--out {out} is not empty; pass --force to replace it")
+    log = log or stderr_log
+    out = check_out(out, load, force=force)
     root, directory, iteration = resolve_checkpoint(load, iteration)
     reader = DistCheckpointReader(directory)
     run_config, where = find_run_config(config, root, reader.common_state())
@@ -226,21 +223,15 @@ def export_hf(load, out, *, iteration=None, config=None, tokenizer=None, force=F
         document["hyper_connections"] = mhc_section(model)
     if plan is not None or model.get("enable_hyper_connections"):
         document.update(model_type=ENGRAM_MODEL_TYPE, architectures=["EngramDeepseekV3ForCausalLM"])
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
-    try:
-        total = write_weights(tmp, reader, items, extra, max_shard_bytes)
-        (tmp / "config.json").write_text(json.dumps(document, indent=2, sort_keys=True) + "\n")
-        write_tokenizer(tmp, tokenizer_file)
-        mask = os.umask(0)
-        os.umask(mask)
-        os.chmod(tmp, 0o777 & ~mask)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    written = {}
+
+    def write(folder: Path) -> None:
+        written["total"] = write_weights(folder, reader, items, extra, max_shard_bytes)
+        (folder / "config.json").write_text(json.dumps(document, indent=2, sort_keys=True) + "\n")
+        write_tokenizer(folder, tokenizer_file)
+
+    publish(out, "hf", write, log)
+    total = written["total"]
     log(f"wrote {out} ({document['model_type']}, {len(items)} checkpoint tensors, "
         f"{total / 2**20:.1f} MiB) from {directory} (iteration {iteration})")
     return out

@@ -28,16 +28,32 @@ class HFFolder:
         self.folder = Path(folder)
         index = self.folder / "model.safetensors.index.json"
         if index.is_file():
-            self.files = {k: self.folder / v for k, v in json.loads(index.read_text())["weight_map"].items()}
+            self.files = {k: self._inside(v, f"{index.name}: weight_map entry {k!r} -> {v!r}")
+                          for k, v in json.loads(index.read_text())["weight_map"].items()}  # fmt: skip
         else:
             self.files = {}
             for path in sorted(self.folder.glob("*.safetensors")):
+                self._inside(path.name, f"weight file {path.name!r}")
                 with safe_open(str(path), "pt") as f:
                     self.files.update({k: path for k in f.keys()})
         if not self.files:
             raise HFSourceError(f"{self.folder} holds no safetensors weights")
         self.block_size = tuple(block_size)
         self._open: dict[Path, object] = {}
+
+    def _inside(self, name: str, what: str) -> Path:
+        """``folder / name``, refused unless it resolves (symlinks followed) inside the folder,
+        or, in a Hugging Face cache snapshot (``<repo>/snapshots/<rev>/``), into the same
+        repository's ``blobs/``: an index must not make the import read other files."""
+        root = self.folder.resolve()
+        allowed = [root]
+        if root.parent.name == "snapshots":
+            allowed.append(root.parent.parent / "blobs")
+        resolved = (root / name).resolve()
+        if Path(name).is_absolute() or not any(resolved.is_relative_to(a) for a in allowed):
+            raise HFSourceError(f"{what} resolves to {resolved}, outside {self.folder}: weight files "
+                                "must lie inside the model folder")
+        return self.folder / name
 
     def close(self) -> None:
         """Drop the files' memory maps (their touched pages count as this process's memory)."""

@@ -96,6 +96,30 @@ def build_lr_scheduler(
 SCHEDULE_GROUP_KEYS = ("max_lr", "min_lr")
 
 
+# What tells a param group's role apart from its schedule (megatron's structural flags).
+_GROUP_ROLE_KEYS = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr", "default_config")
+
+
+def align_groups_to_checkpoint(optimizer, saved: list[list[dict]]) -> None:
+    """Give each param group the ``max_lr``/``min_lr`` of its counterpart in the checkpoint
+    (``saved``: per optimizer of the chain, its saved groups), before the optimizer state
+    loads. megatron-core 0.19 matches saved groups to the current ones by a key that includes
+    both (``_filter_and_reorder_param_groups``), so a run with another LR could not load its
+    own checkpoint; `resume_schedule` then sets the values the chosen schedule asks for."""
+    parts = optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
+    # The Engram table optimizer comes last: a checkpoint without Engram has one part fewer.
+    for part, saved_groups in zip(parts, saved):
+        for group in part.param_groups:
+            role = tuple(group.get(k) for k in _GROUP_ROLE_KEYS)
+            values = {
+                tuple(g.get(k) for k in SCHEDULE_GROUP_KEYS)
+                for g in saved_groups
+                if tuple(g.get(k) for k in _GROUP_ROLE_KEYS) == role
+            }
+            if len(values) == 1:  # else ambiguous or absent: megatron's own load decides
+                group.update(zip(SCHEDULE_GROUP_KEYS, values.pop()))
+
+
 def group_schedule(optimizer) -> list[dict]:
     """Each param group's ``max_lr``/``min_lr``, in the optimizer's group order."""
     return [{k: g[k] for k in SCHEDULE_GROUP_KEYS if k in g} for g in optimizer.param_groups]

@@ -14,11 +14,11 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from engram_train.checkpoint.layout import TRACKER, iteration_dir, list_checkpoints
-from engram_train.checkpoint.load import holds_optimizer_state, load_checkpoint_dir
+from engram_train.checkpoint.load import load_checkpoint_dir, saved_param_groups
 from engram_train.checkpoint.selection import select_checkpoint
 from engram_train.metrics import METRICS_FILE, TENSORBOARD_DIR, MetricsWriter
 from engram_train.training.job import Job
-from engram_train.training.optimizer import group_schedule, resume_schedule
+from engram_train.training.optimizer import align_groups_to_checkpoint, group_schedule, resume_schedule
 from engram_train.training.plan import Plan, check_resume
 
 log = logging.getLogger("engram_train")
@@ -60,7 +60,10 @@ def resume(job: Job, plan: Plan) -> Progress:
         if selection.skipped:  # `check` looked at a newer one
             check_resume(cfg, plan, selection.path, selection.manifest)
         run_groups = group_schedule(job.optimizer)  # this run's LR values, before the load
-        with_optimizer = holds_optimizer_state(selection.path)
+        saved_groups = saved_param_groups(selection.path)
+        with_optimizer = saved_groups is not None
+        if with_optimizer:
+            align_groups_to_checkpoint(job.optimizer, saved_groups)
         iteration, extra = load_checkpoint_dir(
             selection.path, job.model, job.optimizer if with_optimizer else None,
             load_engram=bool(c.load_engram),
