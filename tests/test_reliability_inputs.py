@@ -26,7 +26,7 @@ def test_weight_files_outside_the_folder_are_refused(tmp_path):
     save_file({"w": torch.zeros(2)}, str(secret))
     cases = {
         "../secret.safetensors": "'w' -> '../secret.safetensors'",
-        "../../../../" + str(secret).lstrip("/"): "'w' -> '../../../../",
+        "../" * 16 + str(secret).lstrip("/"): "'w' -> '../../../../",
         str(secret): f"'w' -> '{secret}'",
     }
     for i, (entry, named) in enumerate(cases.items()):
@@ -52,3 +52,35 @@ def test_weight_files_outside_the_folder_are_refused(tmp_path):
     snapshot.mkdir(parents=True)
     os.symlink(repo / "blobs" / "abc123", snapshot / "model.safetensors")
     assert HFFolder(snapshot).read("w").tolist() == [3.0, 3.0]
+
+
+def test_one_run_per_checkpoint_folder(tmp_path, caplog):
+    """A second run is refused naming the holder's host and pid; a lock naming a process that is
+    gone is taken over with a warning. (The holder is another process: a lock is per process.)"""
+    import socket
+    import subprocess
+    import sys
+
+    from engram_train.checkpoint.errors import CheckpointFolderInUseError
+    from engram_train.checkpoint.lock import LOCK_FILE, lock_save_folder
+
+    folder = tmp_path / "ckpt"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from engram_train.checkpoint.lock import lock_save_folder; "
+         f"lock_save_folder({str(folder)!r}); print('locked', flush=True); time.sleep(120)"],
+        stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1])))
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(CheckpointFolderInUseError) as e:
+            lock_save_folder(folder)
+        assert f"checkpoint.save={folder.resolve()} is in use by another run (host {socket.gethostname()}, " \
+               f"pid {holder.pid}," in str(e.value)
+    finally:
+        holder.kill()
+        holder.wait()
+    # The holder was killed: its lock is free, the file still names it.
+    assert json.loads((folder / LOCK_FILE).read_text())["pid"] == holder.pid
+    with caplog.at_level("WARNING"):
+        lock_save_folder(folder)
+    assert f"taking over the lock of run pid {holder.pid}" in caplog.text
+    assert json.loads((folder / LOCK_FILE).read_text())["pid"] == os.getpid()

@@ -215,7 +215,7 @@ def test_adding_engram_to_a_checkpoint_without_it(tmp_path):
     manifest = json.loads((engram / "iter_0000004" / "manifest.json").read_text())
     assert manifest["run"]["use_engram"] and check_checkpoint(engram / "iter_0000004") == []
     assert manifest_digest(base / "iter_0000002") == before and sorted(p.name for p in base.iterdir()) == [
-        "iter_0000002", TRACKER]
+        ".engram-train.lock", "iter_0000002", TRACKER]
 
 
 # -- row: random bytes in the newest checkpoint, resumed with fallback; longer schedule -------
@@ -291,7 +291,8 @@ def check_set_aside(ckpt: Path, output: str, first_abnormal: int, saved) -> None
     good = [i for i in saved if i < first_abnormal - 1]
     aside = [i for i in saved if i >= first_abnormal - 1]
     assert sorted(p.name for p in ckpt.iterdir()) == sorted(
-        [f"iter_{i:07d}" for i in good] + [f"iter_{i:07d}.diverged" for i in aside] + ([TRACKER] if good else [])
+        [".engram-train.lock"] + [f"iter_{i:07d}" for i in good] + [f"iter_{i:07d}.diverged" for i in aside]
+        + ([TRACKER] if good else [])
     ), output[-3000:]
     if aside:
         assert "Set aside (renamed *.diverged, never loaded): " + ", ".join(

@@ -17,3 +17,7 @@ class CheckpointSpaceError(CheckpointError):
 
 class NonFiniteStateError(CheckpointError):
     """Parameters hold NaN or inf: such a state is never saved."""
+
+
+class CheckpointFolderInUseError(CheckpointError):
+    """Another run holds the lock of the ``checkpoint.save`` folder."""

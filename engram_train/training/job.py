@@ -3,6 +3,7 @@ rank, and the free space a checkpoint of the model needs."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ from megatron.core.optimizer import OptimizerConfig
 from omegaconf import DictConfig
 
 from engram_train.checkpoint.disk import check_free_space
+from engram_train.checkpoint.lock import lock_save_folder
 from engram_train.checkpoint.save import save_checkpoint
 from engram_train.checkpoint.state import estimate_checkpoint_bytes
 from engram_train.data.batches import HashPrefetchIterator, MicroBatchIterator
@@ -78,6 +80,8 @@ def build(cfg: DictConfig, plan: Plan) -> Job:
     children_die_with_parent()
     reap_process_group_on_exit()
     exp_dir = Path(cfg.experiment.exp_dir)
+    if cfg.checkpoint.save and os.environ.get("RANK", "0") == "0":
+        lock_save_folder(cfg.checkpoint.save)  # the saving rank, for the run's life
     initialize_distributed(parallel_sizes(cfg), seed=int(t.seed), timeout_minutes=int(s.distributed_timeout_minutes))
     rank = dist.get_rank()
     dp_size = data_parallel_size(cfg, dist.get_world_size())
