@@ -4,6 +4,7 @@ settings that used to fail late, with a traceback, or not at all."""
 from __future__ import annotations
 
 import json
+import re
 import os
 from pathlib import Path
 
@@ -84,3 +85,48 @@ def test_one_run_per_checkpoint_folder(tmp_path, caplog):
         lock_save_folder(folder)
     assert f"taking over the lock of run pid {holder.pid}" in caplog.text
     assert json.loads((folder / LOCK_FILE).read_text())["pid"] == os.getpid()
+
+
+def _cfg(*overrides):
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(Path(__file__).parents[1] / "conf"), version_base=None):
+        return compose(config_name="train", overrides=list(overrides))
+
+
+@pytest.mark.parametrize("override, message", [
+    ("data.split=abc", "data.split='abc' must be up to three non-negative train,valid,test shares"),
+    ("data.split='0,0,0'", "data.split='0,0,0' must be up to three"),
+    ("data.split='90,10,-1'", "data.split='90,10,-1' must be up to three"),
+    ("train.seq_length=0", "train.seq_length=0 must be >= 1 (tokens per sample)"),
+])
+def test_bad_split_and_sequence_length_fail_before_the_build(override, message):
+    from engram_train.training.run_config import ConfigError, validate_run_config
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        validate_run_config(_cfg(override), 1)
+    validate_run_config(_cfg("data.split='98/2/0'"), 1)
+
+
+def test_sweep_without_seeds_is_refused():
+    from engram_train.sweep.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--seeds", ""])
+    assert str(e.value) == ("engram-sweep: --seeds names no seed, so nothing would be trained: give one or "
+                            "more, e.g. --seeds 1,2")
+
+
+def test_mhc_off_resume_advises_what_can_work():
+    from engram_train.training.run_identity import ResumeMismatchError, check_run_identity
+
+    saved = {"use_engram": True, "model": {"enable_hyper_connections": True, "num_residual_streams": 4},
+             "engram": {"engram_hc_mult": 4}}
+    current = {"use_engram": True, "model": {"enable_hyper_connections": False, "num_residual_streams": None},
+               "engram": {"engram_hc_mult": 1}}
+    with pytest.raises(ResumeMismatchError) as e:
+        check_run_identity(saved, current, load_engram=True, where="ckpt/iter_0000002")
+    message = str(e.value)
+    assert "resume with model.engram_hc_mult=4" not in message, message
+    assert ("it follows the backbone's residual streams: resume with the checkpoint's "
+            "model.enable_hyper_connections and model.num_residual_streams=4") in message, message

@@ -135,6 +135,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _main(args) -> None:
+    if not args.seeds:
+        raise SweepError("--seeds names no seed, so nothing would be trained: give one or more, e.g. --seeds 1,2")
     from engram_train.sweep import report, runner, variants
 
     model_overrides = [o for o in args.overrides if o.startswith("model.")]

@@ -9,7 +9,9 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import re
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -86,6 +88,9 @@ def validate_run_config(cfg, world_size: int, check_data: bool = True):
         )
     if t.train_iters < 1:
         raise ConfigError(f"train.train_iters={t.train_iters} must be >= 1")
+    if t.seq_length < 1:
+        raise ConfigError(f"train.seq_length={t.seq_length} must be >= 1 (tokens per sample)")
+    _check_split(cfg.data.split)
     for key in ("log_interval", "eval_interval"):
         if t[key] is not None and t[key] < 1:
             raise ConfigError(f"train.{key}={t[key]} must be >= 1 (or null to disable)")
@@ -220,6 +225,21 @@ def _check_reliability(cfg) -> None:
         )
     if c.save_interval is not None and (isinstance(c.save_interval, bool) or c.save_interval < 1):
         raise ConfigError(f"checkpoint.save_interval={c.save_interval} must be >= 1 (or null: only at the end)")
+
+
+def _check_split(split) -> None:
+    """``data.split`` as megatron reads it: up to three non-negative shares (train, valid,
+    test) separated by ``,`` or ``/``, not all zero."""
+    parts = re.split(r"[,/]", str(split))
+    try:
+        shares = [float(p) for p in parts]
+    except ValueError:
+        shares = []
+    if not (1 <= len(shares) <= 3 and all(math.isfinite(x) and x >= 0 for x in shares) and sum(shares) > 0):
+        raise ConfigError(
+            f"data.split={split!r} must be up to three non-negative train,valid,test shares, not all "
+            'zero, e.g. data.split="90,10,0"'
+        )
 
 
 def _check_data(cfg) -> None:

@@ -218,10 +218,14 @@ def check_run_identity(saved: Mapping | None, current: Mapping, *, load_engram: 
             overrides.append("checkpoint.load_engram=false")
         for key, old, new in changes:
             what = ENGRAM_DERIVED.get(key, f"model.{key}")
-            fix = (
-                f"resume with model.{key}={_show(old)}" if key in ENGRAM_FIELDS
-                else "resume with the checkpoint's Engram settings"
-            )
+            if key == "engram_hc_mult":  # follows the backbone's residual streams (mhc_config.py)
+                fix = (f"it follows the backbone's residual streams: resume with the checkpoint's "
+                       f"model.enable_hyper_connections and model.num_residual_streams={_show(old)}"
+                       if old != 1 else "resume with model.enable_hyper_connections=false")
+            elif key in ENGRAM_FIELDS:
+                fix = f"resume with model.{key}={_show(old)}"
+            else:
+                fix = "resume with the checkpoint's Engram settings"
             lines.append(
                 f"{what}: {_show(old)} in the checkpoint, {_show(new)} here. Tokens would hash to "
                 f"rows trained for other n-grams: {fix}, or set checkpoint.load_engram=false to "
