@@ -93,6 +93,21 @@ def _exit_with_message(message: str) -> None:
     raise SystemExit(1)
 
 
+def interrupted_message(cfg: DictConfig) -> str:
+    """What Ctrl-C (SIGINT) leaves: the newest complete checkpoint. A save it cut short leaves
+    only ``iter_N.tmp``, which the next save removes."""
+    from engram_train.checkpoint.layout import iteration_dir, latest_iteration
+
+    save = cfg.checkpoint.save
+    if not save:
+        return "interrupted; checkpoint.save is not set, so nothing was saved"
+    last = latest_iteration(save)
+    if last is None:
+        return f"interrupted; no complete checkpoint in {save} yet"
+    return (f"interrupted; last complete checkpoint {last} ({iteration_dir(save, last)}); resume "
+            f"with checkpoint.load={save}")
+
+
 # The project's own errors, by module and class. Looked up in sys.modules after the fact, so that
 # `main` imports none of these modules (megatron's among them) before the config is validated.
 CONFIG_ERRORS = (
@@ -122,6 +137,8 @@ def main(cfg: DictConfig) -> None:
     diverged run) end with their message and exit code 1; anything else keeps its traceback."""
     try:
         run(cfg)
+    except KeyboardInterrupt:
+        _exit_with_message(f"engram-train: {interrupted_message(cfg)}")
     except Exception as e:
         if _is_one_of(e, CONFIG_ERRORS):
             _exit_with_message(f"engram-train: invalid configuration: {e}")

@@ -130,3 +130,17 @@ def test_mhc_off_resume_advises_what_can_work():
     assert "resume with model.engram_hc_mult=4" not in message, message
     assert ("it follows the backbone's residual streams: resume with the checkpoint's "
             "model.enable_hyper_connections and model.num_residual_streams=4") in message, message
+
+
+def test_interrupt_names_the_last_complete_checkpoint(tmp_path):
+    from engram_train.train import interrupted_message
+
+    save = tmp_path / "ckpt"
+    assert interrupted_message(_cfg()) == "interrupted; checkpoint.save is not set, so nothing was saved"
+    cfg = _cfg(f"checkpoint.save={save}")
+    assert interrupted_message(cfg) == f"interrupted; no complete checkpoint in {save} yet"
+    (save / "iter_0000002").mkdir(parents=True)
+    (save / "iter_0000002" / "manifest.json").write_text("{}")
+    (save / "iter_0000004.tmp").mkdir()  # the save Ctrl-C cut short
+    assert interrupted_message(cfg) == (f"interrupted; last complete checkpoint 2 ({save / 'iter_0000002'}); "
+                                        f"resume with checkpoint.load={save}")
