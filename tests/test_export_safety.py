@@ -118,3 +118,15 @@ def test_format_options_are_checked(tmp_path):
     assert "--table-dtype does not apply to --format hf" in cli_error(
         "--load", ckpt, "--out", tmp_path / "out", "--format", "hf", "--table-dtype", "bf16")
     assert set(FORMATS) == {"engram", "hf"} and FORMATS["engram"].options == ("table_dtype",)
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_an_unresolved_training_config_is_named(tmp_path, fmt):
+    from launch import REPO
+
+    ckpt = fake_checkpoint(tmp_path / "ckpt")
+    config = REPO / "conf" / "train.yaml"
+    error = cli_error("--load", ckpt, "--out", tmp_path / "out", "--format", fmt, "--config", config)
+    assert error == (f"engram-export: error: --config {config} is a config to compose (it lists defaults and "
+                     "has no model section), not the resolved config of a run: pass "
+                     "<experiment.exp_dir>/config.yaml, which engram-train writes")

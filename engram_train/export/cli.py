@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import re
 
+from engram_train.export.config_source import read_config_file
 from engram_train.export.errors import ExportError
 from engram_train.export.exporter import DEFAULT_SHARD_BYTES, TABLE_DTYPES
 from engram_train.export.publish import FORMATS
@@ -57,6 +58,8 @@ def main(argv: list[str] | None = None) -> None:
     options = {"table_dtype": args.table_dtype}
     given = [name for name, value in options.items() if value is not None and name not in fmt.options]
     try:
+        if args.config is not None:
+            read_config_file(args.config)  # before the checkpoint is read, for every format
         if given:
             raise ExportError(f"--{given[0].replace('_', '-')} does not apply to --format {fmt.name}; "
                               "drop it")  # fmt: skip

@@ -88,14 +88,28 @@ def _read_yaml(path: Path) -> dict:
         ) from None
 
 
+def read_config_file(path: str | os.PathLike) -> dict:
+    """``--config``: a run's resolved config, refused when missing or when it is a config to
+    compose (``conf/train.yaml``)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ExportError(f"--config {path}: file does not exist")
+    doc = _read_yaml(path)
+    if isinstance(doc, dict) and "defaults" in doc and "model" not in doc:
+        raise ExportError(
+            f"--config {path} is a config to compose (it lists defaults and has no model "
+            "section), not the resolved config of a run: pass <experiment.exp_dir>/config.yaml, "
+            "which engram-train writes"
+        )
+    return doc
+
+
 def find_run_config(config: str | os.PathLike | None, root: Path,
                     common: dict | None) -> tuple[dict, str]:
     """(run config mapping, where it came from); see the module docstring for the order."""
     if config is not None:
         path = Path(config)
-        if not path.is_file():
-            raise ExportError(f"--config {config}: file does not exist")
-        return _read_yaml(path), str(path)
+        return read_config_file(path), str(path)
     extra = (common or {}).get("extra") or {}
     if isinstance(extra.get("run_config"), dict):
         return extra["run_config"], "the checkpoint's extra.run_config"
