@@ -99,13 +99,15 @@ def _cfg(*overrides):
     ("data.split='0,0,0'", "data.split='0,0,0' must be up to three"),
     ("data.split='90,10,-1'", "data.split='90,10,-1' must be up to three"),
     ("train.seq_length=0", "train.seq_length=0 must be >= 1 (tokens per sample)"),
+    ("system.context_parallel_size=2 train.seq_length=126",
+     "train.seq_length=126 must be a multiple of 2 x system.context_parallel_size = 4"),
 ])
 def test_bad_split_and_sequence_length_fail_before_the_build(override, message):
     from engram_train.training.run_config import ConfigError, validate_run_config
 
     with pytest.raises(ConfigError, match=re.escape(message)):
-        validate_run_config(_cfg(override), 1)
-    validate_run_config(_cfg("data.split='98/2/0'"), 1)
+        validate_run_config(_cfg(*override.split()), 2)
+    validate_run_config(_cfg("data.split='98/2/0'"), 2)
 
 
 def test_sweep_without_seeds_is_refused():

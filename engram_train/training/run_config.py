@@ -90,6 +90,12 @@ def validate_run_config(cfg, world_size: int, check_data: bool = True):
         raise ConfigError(f"train.train_iters={t.train_iters} must be >= 1")
     if t.seq_length < 1:
         raise ConfigError(f"train.seq_length={t.seq_length} must be >= 1 (tokens per sample)")
+    cp = int(cfg.system.context_parallel_size or 1)
+    if cp > 1 and t.seq_length % (2 * cp):
+        raise ConfigError(
+            f"train.seq_length={t.seq_length} must be a multiple of 2 x system.context_parallel_size "
+            f"= {2 * cp} (each rank holds two chunks of the sequence, for load balance)"
+        )
     _check_split(cfg.data.split)
     for key in ("log_interval", "eval_interval"):
         if t[key] is not None and t[key] < 1:
