@@ -53,10 +53,31 @@ def attention_per_token(config, w: Widths, a: int) -> int:
     return a * (w.h + w.h_full + latent + heads * per_head) + 4 * heads
 
 
+# SwiGLU MLP: fc1's output (gate and up), the activation's saved inputs and output and fc2's
+# input come to about 6 x its width per token (measured with saved-tensor hooks on the CPU).
+SWIGLU_SAVED = 6
+
+
 def dense_mlp_per_token(config, w: Widths, a: int) -> int:
-    """Norm, fc1 input, fc1 output (gate and up) and the SwiGLU output."""
+    """Norm input and output, and the SwiGLU MLP."""
     f = config.ffn_hidden_size // w.tp
-    return a * (w.h + w.h_full + 3 * f)
+    return a * (w.h + w.h_full + SWIGLU_SAVED * f)
+
+
+def attention_scores_per_layer(config, layout: Layout, a: int, device: str) -> int:
+    """The attention probabilities of one layer, where attention is not fused: torch's SDPA on
+    the CPU takes its math path when the q/k and v head dims differ (MLA) or with dropout, and
+    saves ``[b, heads, s, s]``. Fused kernels (flash, Transformer Engine on the GPU) save none."""
+    if device != "cpu":
+        return 0
+    qk = (config.qk_head_dim + config.qk_pos_emb_head_dim) if getattr(config, "kv_lora_rank", None) \
+        else config.kv_channels
+    v = config.v_head_dim if getattr(config, "kv_lora_rank", None) else config.kv_channels
+    if qk == v and not config.attention_dropout:
+        return 0
+    heads = config.num_attention_heads // layout.tp
+    s = layout.seq_length // layout.cp
+    return layout.micro_batch_size * heads * s * layout.seq_length * a
 
 
 def moe_per_token(config, w: Widths, a: int) -> int:
@@ -67,8 +88,8 @@ def moe_per_token(config, w: Widths, a: int) -> int:
     f = config.moe_ffn_hidden_size
     shared = (getattr(config, "moe_shared_expert_intermediate_size", None) or 0) // w.tp
     etp = w.tp  # expert TP follows TP (the project does not set it apart)
-    routed = k * (3 * w.h_full + 3 * f // etp)
-    return a * (w.h + w.h_full + routed + w.h_full + 3 * shared) + 4 * 3 * e
+    routed = k * (3 * w.h_full + SWIGLU_SAVED * f // etp)
+    return a * (w.h + w.h_full + routed + w.h_full + SWIGLU_SAVED * shared) + 4 * 3 * e
 
 
 def engram_per_token(config, w: Widths, a: int) -> int:
@@ -137,7 +158,7 @@ def in_flight_chunks(stage: int, layout: Layout) -> tuple[int, int]:
 
 
 def stage_activations(config, layout: Layout, stage: int, layers: list[int], a: int,
-                      vocab: int) -> dict[str, int]:
+                      vocab: int, device: str = "cuda") -> dict[str, int]:
     """Activation bytes of stage ``stage`` at its peak, by item: every micro-batch in flight,
     the backward's working set (one layer's gradients, or one recomputed layer), logits and
     the loss on the last stage, the embedding output on the first."""
@@ -156,10 +177,14 @@ def stage_activations(config, layout: Layout, stage: int, layers: list[int], a: 
         for parts in per_layer:
             for part, b in parts.items():
                 items[part] = items.get(part, 0) + t * b
+        scores = attention_scores_per_layer(config, layout, a, device)
+        if scores:
+            items["attention_scores (unfused)"] = scores * len(layers)
     # micro-batches (or model chunks) in flight on this stage
     scale = chunks / per_chunk if layout.vpp else chunks
     items = {k: int(v * scale) for k, v in items.items()}
     one_layer = max((sum(p.values()) for p in per_layer), default=0) * t
+    one_layer += attention_scores_per_layer(config, layout, a, device)
     items["backward_working_set"] = one_layer * (2 if full else 1)
     if stage == 0:
         items["embedding_output"] = t * a * n * w.h * chunks

@@ -19,6 +19,7 @@ import json
 import os
 import re
 import sys
+from dataclasses import replace
 
 UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
          "t": 10**12, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
@@ -53,7 +54,9 @@ def make_plan(cfg, world: int, nproc_per_node: int, vocab_size: int | None = Non
         vocab_size = load_tokenizer(cfg.data.tokenizer).vocab_size
     padded = padded_vocab_size(vocab_size, config.tensor_model_parallel_size)
     layout = layout_of(cfg, config, world, nproc_per_node)
-    model = build_on_meta(config, padded, int(cfg.train.seq_length))
+    # Host-resident tables would be allocated in host memory: placement does not change shapes.
+    meta_config = replace(config, engram_table_placement="device") if config.use_engram else config
+    model = build_on_meta(meta_config, padded, int(cfg.train.seq_length))
     ranks = []
     for sp in stage_params(model, config, layout):
         layers = [i for i in range(config.num_layers) if stage_of_layer(i, config.num_layers, layout) == sp.stage]

@@ -31,6 +31,7 @@ ADVICE = {
                     "model.engram_offload_embedding_optimizer_states=true, "
                     "model.engram_table_dtype=bf16, model.engram_vocab_size",
     "engram_gradient_rows": "train.micro_batch_size, train.seq_length",
+    "attention_scores": "system.recompute_granularity, train.micro_batch_size, train.seq_length",
     "attention": "system.recompute_granularity, train.micro_batch_size, "
                  "system.tensor_model_parallel_size (+ sequence_parallel), system.context_parallel_size",
     "dense_mlp": "system.recompute_granularity, train.micro_batch_size, system.tensor_model_parallel_size",
@@ -102,7 +103,7 @@ def plan_stage(config, layout: Layout, sp: StageParams, layers: list[int], preci
         if phase == "persistent" and name != f"engram_tables_{config.engram_table_dtype}":
             table_state += nbytes
 
-    for name, nbytes in activations.stage_activations(config, layout, sp.stage, layers, a, vocab).items():
+    for name, nbytes in activations.stage_activations(config, layout, sp.stage, layers, a, vocab, device).items():
         rp.add(name, "device", "step", nbytes)
     rp.add("prefetch_buffers", "host", "persistent", activations.prefetch_bytes(config, layout))
 

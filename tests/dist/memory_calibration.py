@@ -7,7 +7,7 @@ and writes this rank's peak RSS (``getrusage``), its pipeline stage and its rank
 ``--baseline``: the fixed cost the plan adds to every rank, measured rather than guessed: the
 same process up to the model - the trainer's modules imported (torch, megatron-core, the data,
 metrics and checkpoint code), the config checked, the process groups built, the tokenizer
-loaded - and no model, optimizer or batch.
+loaded, the metrics writer and the plot imported - and no model, optimizer or batch.
 """
 
 import os
@@ -37,6 +37,8 @@ def main() -> None:
         import engram_train.training.job  # noqa: F401  (the trainer's imports)
         import engram_train.training.loop  # noqa: F401
         import engram_train.training.resume  # noqa: F401
+        import matplotlib.pyplot  # noqa: F401  (the loss plot at the end)
+        from torch.utils.tensorboard import SummaryWriter  # noqa: F401  (the metrics writer)
         from engram_train.runtime import initialize_distributed
         from engram_train.training.plan import check
         from engram_train.training.run_config import parallel_sizes
