@@ -74,8 +74,9 @@ def test_stage_params_add_up_to_the_model(one_rank):
     assert sum(sum(s.params.values()) for s in pp2) == total
     assert pp2[0].params["embedding"] and not pp2[1].params.get("embedding")
     assert pp2[1].params["output_layer"] and not pp2[0].params.get("output_layer")
-    # layers 1 and 3 carry Engram: one table per stage
-    assert pp2[0].params["engram_tables"] == pp2[1].params["engram_tables"] > 0
+    # layers 1 and 3 carry Engram: one table per stage (its heads' primes differ by layer)
+    assert pp2[0].params["engram_tables"] + pp2[1].params["engram_tables"] == one[0].params["engram_tables"]
+    assert pp2[0].params["engram_tables"] == pytest.approx(pp2[1].params["engram_tables"], rel=0.01)
     tp2 = compose_config(["system.tensor_model_parallel_size=2", "model.engram_embedding_parallel_size=2",
                           "train.global_batch_size=2"])
     split = stage_params(model, config, layout_of(tp2, build_transformer_config(tp2), 2, 2))[0]

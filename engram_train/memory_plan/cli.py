@@ -38,13 +38,13 @@ def parse_bytes(text: str, flag: str) -> int:
 
 def make_plan(cfg, world: int, nproc_per_node: int, vocab_size: int | None = None,
               device: str = "cpu", device_memory: int | None = None, host_memory: int | None = None,
-              cpu_baseline: int | None = None):
+              cpu_baseline: int | None = None, model=None):
     """The plan of ``cfg`` on ``world`` ranks. torch.distributed must be set up for one process
-    (the model is built on the meta device as one rank)."""
+    (the model is built on the meta device as one rank). ``model``: a meta model of the same
+    model config built before (it does not depend on the layout: layout searches reuse it)."""
     from engram_train.memory_plan.layout import layout_of
     from engram_train.memory_plan.model_bytes import stage_of_layer, stage_params
     from engram_train.memory_plan.report import Plan, plan_stage
-    from engram_train.training.param_count import build_on_meta
     from engram_train.training.run_config import padded_vocab_size, validate_run_config
 
     config = validate_run_config(cfg, world, check_data=False)
@@ -54,15 +54,23 @@ def make_plan(cfg, world: int, nproc_per_node: int, vocab_size: int | None = Non
         vocab_size = load_tokenizer(cfg.data.tokenizer).vocab_size
     padded = padded_vocab_size(vocab_size, config.tensor_model_parallel_size)
     layout = layout_of(cfg, config, world, nproc_per_node)
-    # Host-resident tables would be allocated in host memory: placement does not change shapes.
-    meta_config = replace(config, engram_table_placement="device") if config.use_engram else config
-    model = build_on_meta(meta_config, padded, int(cfg.train.seq_length))
+    if model is None:
+        model = meta_model(config, padded, int(cfg.train.seq_length))
     ranks = []
     for sp in stage_params(model, config, layout):
         layers = [i for i in range(config.num_layers) if stage_of_layer(i, config.num_layers, layout) == sp.stage]
         ranks.append(plan_stage(config, layout, sp, layers, cfg.system.precision, padded, device,
                                 bool(cfg.checkpoint.save), cpu_baseline))
     return Plan(layout, device, device_memory, host_memory, ranks)
+
+
+def meta_model(config, padded_vocab: int, seq_length: int):
+    """The whole model as one rank on the meta device (no weights)."""
+    from engram_train.training.param_count import build_on_meta
+
+    # Host-resident tables would be allocated in host memory: placement does not change shapes.
+    meta_config = replace(config, engram_table_placement="device") if config.use_engram else config
+    return build_on_meta(meta_config, padded_vocab, seq_length)
 
 
 def _default_host_memory() -> int | None:

@@ -28,6 +28,10 @@ ALLOCATOR_FRAGMENTATION = 0.10
 CUDA_HOST_PROCESS_BYTES = 3 * GIB
 
 
+# What torch.cuda.max_memory_allocated does not see (benchmarks/gpu_check.py compares the rest).
+NOT_ALLOCATED = ("cuda_context", "nccl_buffers", "allocator_fragmentation")
+
+
 def device_fixed_items(device: str, allocated: int) -> list[tuple[str, int]]:
     """Fixed device items for ``allocated`` planned bytes (none on the CPU: see host)."""
     if device == "cpu":

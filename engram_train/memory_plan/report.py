@@ -67,9 +67,11 @@ class RankPlan:
         if nbytes:
             self.items.append((name, memory, phase, int(nbytes)))
 
-    def peak(self, memory: str) -> int:
-        persistent = sum(b for _, m, p, b in self.items if m == memory and p == "persistent")
-        transient = [sum(b for _, m, p, b in self.items if m == memory and p == phase) for phase in PHASES]
+    def peak(self, memory: str, exclude: tuple[str, ...] = ()) -> int:
+        """Persistent bytes plus the largest transient phase (items in ``exclude`` left out)."""
+        items = [(m, p, b) for n, m, p, b in self.items if m == memory and n not in exclude]
+        persistent = sum(b for _, p, b in items if p == "persistent")
+        transient = [sum(b for _, p, b in items if p == phase) for phase in PHASES]
         return persistent + max(transient)
 
     def breakdown(self) -> dict:
