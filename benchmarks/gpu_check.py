@@ -36,7 +36,8 @@ Sections (each runs independently; a failure is recorded and the next section ru
   = world (TE's CP attention, Engram's conv halo over NCCL) against CP 1 (DP = world) from
   the same weights on the same global batches: losses of 3 steps within bf16 noise (2%).
 - ``throughput``: tokens/s of the ``deepseek_v3_small`` backbone in bf16 with and without
-  Engram (same backbone, batch and data), and peak GPU memory.
+  Engram (same backbone, batch and data), and peak GPU memory next to engram-plan's prediction
+  for the same configuration (``memory_plan``: predicted / measured, recorded, not checked).
 
 Writes JSON (``--out``, rank 0, after every section; every rank prints its own line); exits 1
 if a section failed (``--strict``: also if one was skipped, e.g. Transformer Engine missing),
@@ -627,6 +628,7 @@ def throughput(ctx: Context) -> dict:
                         tokens_per_s=tokens / statistics.median(times), losses=losses)
         if ctx.cuda:
             out[key]["peak_gpu_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+            out[key]["memory_plan"] = memory_plan_vs_allocated(ctx, cfg, micro)
         check(all(l == l for l in losses), f"{key}: non-finite losses")
         del model, optimizer
         if ctx.cuda:
@@ -634,6 +636,26 @@ def throughput(ctx: Context) -> dict:
     out["engram_over_no_engram_tokens_per_s"] = (out["engram"]["tokens_per_s"]
                                                  / out["no_engram"]["tokens_per_s"])
     return out
+
+
+def memory_plan_vs_allocated(ctx: Context, cfg, micro: int) -> dict:
+    """engram-plan's device bytes of this rank (without what the allocator does not count:
+    CUDA context, NCCL buffers, fragmentation) against ``torch.cuda.max_memory_allocated``.
+    Recorded, not checked: docs/memory.md states the GPU side as assumptions."""
+    from engram_train.memory_plan.cli import make_plan
+    from engram_train.memory_plan.fixed import NOT_ALLOCATED
+    from omegaconf import OmegaConf
+
+    try:
+        one_step = OmegaConf.merge(cfg, {"train": {"micro_batch_size": micro,
+                                                   "global_batch_size": micro * ctx.world}})
+        plan = make_plan(one_step, ctx.world, ctx.world, device="cuda")
+        predicted = max(r.peak("device", exclude=NOT_ALLOCATED) for r in plan.ranks)
+    except Exception as e:  # the plan is informative here; the section's checks stand
+        return dict(error=f"{type(e).__name__}: {e}")
+    measured = torch.cuda.max_memory_allocated()
+    return dict(predicted_gib=round(predicted / 2**30, 3), measured_gib=round(measured / 2**30, 3),
+                predicted_over_measured=round(predicted / measured, 3))
 
 
 SECTIONS = [

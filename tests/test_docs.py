@@ -43,6 +43,8 @@ TOOLS = {
     "engram-import-hf": ("engram_train.hf.importer", "main"),
     "engram_train.hf.importer": ("engram_train.hf.importer", "main"),
     "engram-sweep": ("engram_train.sweep.cli", "main"),
+    "engram-plan": ("engram_train.memory_plan.cli", "main"),
+    "engram_train.memory_plan": ("engram_train.memory_plan.cli", "main"),
 }
 SHELL_TOOLS = {"ls", "tail", "cat", "tensorboard"}
 # Commands the first-hour run validates instead of running: the environment is already set up

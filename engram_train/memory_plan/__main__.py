@@ -1,0 +1,3 @@
+from engram_train.memory_plan.cli import main
+
+main()

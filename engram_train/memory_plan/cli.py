@@ -1,0 +1,151 @@
+"""``engram-plan``: will this configuration fit? (docs/memory.md)
+
+    engram-plan model=engram_27b system.tensor_model_parallel_size=2 \\
+        system.pipeline_model_parallel_size=2 train.global_batch_size=64 \\
+        --nproc-per-node 8 --nnodes 8 --device-memory 141GiB --host-memory 2TiB [--json]
+
+Takes the trainer's Hydra overrides (the same composition and validation as ``engram-train``,
+without reading the data files) and prints, for each pipeline stage, the device and host bytes
+of one of its ranks with a breakdown, whether the run fits, and if not its largest items and
+the fields that change them. ``--device cpu`` (the default without CUDA and without
+``--device-memory``): device and host are one memory, and ``total_bytes_per_rank`` is the
+predicted peak RSS of a rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from dataclasses import replace
+
+UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+         "t": 10**12, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+class PlanError(ValueError):
+    """A bad ``engram-plan`` argument; the message names it and the fix."""
+
+
+def parse_bytes(text: str, flag: str) -> int:
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in UNITS:
+        raise PlanError(f"{flag}={text!r}: give a size such as 141GiB, 2TiB or 80GB")
+    return int(float(match.group(1)) * UNITS[match.group(2).lower()])
+
+
+def make_plan(cfg, world: int, nproc_per_node: int, vocab_size: int | None = None,
+              device: str = "cpu", device_memory: int | None = None, host_memory: int | None = None,
+              cpu_baseline: int | None = None, model=None):
+    """The plan of ``cfg`` on ``world`` ranks. torch.distributed must be set up for one process
+    (the model is built on the meta device as one rank). ``model``: a meta model of the same
+    model config built before (it does not depend on the layout: layout searches reuse it)."""
+    from engram_train.memory_plan.layout import layout_of
+    from engram_train.memory_plan.model_bytes import stage_of_layer, stage_params
+    from engram_train.memory_plan.report import Plan, plan_stage
+    from engram_train.training.run_config import padded_vocab_size, validate_run_config
+
+    config = validate_run_config(cfg, world, check_data=False)
+    if vocab_size is None:
+        from engram_train.data import load_tokenizer
+
+        vocab_size = load_tokenizer(cfg.data.tokenizer).vocab_size
+    padded = padded_vocab_size(vocab_size, config.tensor_model_parallel_size)
+    layout = layout_of(cfg, config, world, nproc_per_node)
+    if model is None:
+        model = meta_model(config, padded, int(cfg.train.seq_length))
+    ranks = []
+    for sp in stage_params(model, config, layout):
+        layers = [i for i in range(config.num_layers) if stage_of_layer(i, config.num_layers, layout) == sp.stage]
+        ranks.append(plan_stage(config, layout, sp, layers, cfg.system.precision, padded, device,
+                                bool(cfg.checkpoint.save), cpu_baseline))
+    return Plan(layout, device, device_memory, host_memory, ranks)
+
+
+def meta_model(config, padded_vocab: int, seq_length: int):
+    """The whole model as one rank on the meta device (no weights)."""
+    from engram_train.training.param_count import build_on_meta
+
+    # Host-resident tables would be allocated in host memory: placement does not change shapes.
+    meta_config = replace(config, engram_table_placement="device") if config.use_engram else config
+    return build_on_meta(meta_config, padded_vocab, seq_length)
+
+
+def _default_host_memory() -> int | None:
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().total)
+    except ImportError:  # pragma: no cover - psutil is a dependency
+        return None
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="engram-plan", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nproc-per-node", type=int, default=1, help="ranks per node (N)")
+    parser.add_argument("--nnodes", type=int, default=1, help="nodes (M); world = N x M")
+    parser.add_argument("--device-memory", default=None, help="memory of one device, e.g. 141GiB")
+    parser.add_argument("--host-memory", default=None,
+                        help="host memory of one node, e.g. 2TiB (default: this machine's)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                        help="cpu: device and host are one memory (default without CUDA and "
+                        "without --device-memory)")
+    parser.add_argument("--vocab-size", type=int, default=None,
+                        help="tokenizer vocabulary size (default: read data.tokenizer)")
+    parser.add_argument("--cpu-baseline", default=None,
+                        help="measured fixed bytes of a CPU rank (default: fixed.CPU_PROCESS_BYTES)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for engram-train")
+    args = parser.parse_intermixed_args(argv)
+
+    from engram_train.logs import quiet_known_warnings
+
+    quiet_known_warnings()
+    try:
+        plan = _plan_from_args(args)
+    except PlanError as e:
+        print(f"engram-plan: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+    print(json.dumps(plan.to_json(), indent=1) if args.json else plan.to_text())
+
+
+def _plan_from_args(args):
+    import torch
+
+    from engram_train.runtime import ParallelSizes, destroy_distributed, initialize_distributed
+    from engram_train.training.param_count import compose_config
+    from engram_train.training.run_config import ConfigError
+
+    for flag in ("nproc_per_node", "nnodes"):
+        if getattr(args, flag) < 1:
+            raise PlanError(f"--{flag.replace('_', '-')}={getattr(args, flag)} must be >= 1")
+    device_memory = parse_bytes(args.device_memory, "--device-memory") if args.device_memory else None
+    host_memory = parse_bytes(args.host_memory, "--host-memory") if args.host_memory else _default_host_memory()
+    baseline = parse_bytes(args.cpu_baseline, "--cpu-baseline") if args.cpu_baseline else None
+    device = args.device or ("cuda" if torch.cuda.is_available() or device_memory else "cpu")
+    if device == "cuda" and device_memory is None:
+        if not torch.cuda.is_available():
+            raise PlanError("--device cuda needs --device-memory (e.g. 141GiB for an H200)")
+        device_memory = torch.cuda.get_device_properties(0).total_memory
+    world = args.nproc_per_node * args.nnodes
+    try:
+        cfg = compose_config(args.overrides)
+    except Exception as e:  # Hydra's override and composition errors
+        raise PlanError(f"invalid overrides: {e}") from None
+    saved = {k: os.environ.get(k) for k in ("WORLD_SIZE", "RANK", "LOCAL_WORLD_SIZE")}
+    os.environ["WORLD_SIZE"], os.environ["RANK"] = "1", "0"
+    initialize_distributed(ParallelSizes())
+    try:
+        return make_plan(cfg, world, args.nproc_per_node, args.vocab_size, device, device_memory,
+                         host_memory, baseline)
+    except ConfigError as e:
+        raise PlanError(f"invalid configuration for {world} ranks: {e}") from None
+    finally:
+        destroy_distributed()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -1,0 +1,235 @@
+"""The plan of a run: bytes per rank kind (pipeline stage), whether it fits, and what to change.
+
+Every item is ``(name, memory, phase, bytes)``: ``memory`` is "device" or "host"; ``phase`` is
+"persistent" (held for the whole run) or the transient phase it belongs to ("step": forward and
+backward of the in-flight micro-batches; "optimizer": the optimizer step; "save": a checkpoint
+save). A rank's peak in a memory is its persistent items plus its largest transient phase: the
+phases do not overlap. On the CPU (``device="cpu"``) device and host are one memory and
+``total_bytes_per_rank`` is the predicted peak RSS of a rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engram_train.memory_plan import activations, engram_tables, fixed, optimizer_bytes
+from engram_train.memory_plan.layout import Layout
+from engram_train.memory_plan.model_bytes import StageParams, grad_buffer_bytes, weight_bytes
+
+PHASES = ("step", "optimizer", "save")
+
+# What changes an item, by the start of its name: the fields a user would turn.
+ADVICE = {
+    "weights": "system.tensor_model_parallel_size, system.pipeline_model_parallel_size, "
+               "system.expert_model_parallel_size, system.precision=bf16",
+    "grad_buffer": "system.tensor_model_parallel_size, system.pipeline_model_parallel_size, "
+                   "system.expert_model_parallel_size",
+    "adam_moments": "system.use_distributed_optimizer=true, more data-parallel ranks (--nnodes)",
+    "fp32_main_params": "system.use_distributed_optimizer=true, more data-parallel ranks (--nnodes)",
+    "optimizer_step": "system.tensor_model_parallel_size, system.expert_model_parallel_size",
+    "engram_table": "model.engram_embedding_parallel_size, model.engram_table_placement=host, "
+                    "model.engram_offload_embedding_optimizer_states=true, "
+                    "model.engram_table_dtype=bf16, model.engram_vocab_size",
+    "engram_gradient_rows": "train.micro_batch_size, train.seq_length",
+    "attention_scores": "system.recompute_granularity, train.micro_batch_size, train.seq_length",
+    "attention": "system.recompute_granularity, train.micro_batch_size, "
+                 "system.tensor_model_parallel_size (+ sequence_parallel), system.context_parallel_size",
+    "dense_mlp": "system.recompute_granularity, train.micro_batch_size, system.tensor_model_parallel_size",
+    "moe": "system.recompute_granularity, train.micro_batch_size, system.tensor_model_parallel_size",
+    "engram": "system.recompute_granularity, train.micro_batch_size",
+    "mhc": "system.recompute_granularity (full), train.micro_batch_size",
+    "layer_inputs": "train.micro_batch_size, system.pipeline_model_parallel_size, system.context_parallel_size",
+    "backward_working_set": "train.micro_batch_size, system.tensor_model_parallel_size",
+    "embedding_output": "train.micro_batch_size",
+    "logits_and_loss": "train.micro_batch_size, system.tensor_model_parallel_size",
+    "prefetch": "data.hash_prefetch=false, train.micro_batch_size",
+    "checkpoint_save": "checkpoint.save_interval (saves are transient), system.use_distributed_optimizer=true",
+    "process_baseline": "--nproc-per-node (fewer ranks per node)",
+}
+
+
+def advice(name: str) -> str:
+    for prefix, fields in ADVICE.items():
+        if name.startswith(prefix):
+            return fields
+    return ""
+
+
+@dataclass
+class RankPlan:
+    """One rank kind: the ranks of pipeline stage ``stage``."""
+
+    stage: int
+    layers: list[int]
+    items: list[tuple[str, str, str, int]] = field(default_factory=list)
+
+    def add(self, name: str, memory: str, phase: str, nbytes: int) -> None:
+        if nbytes:
+            self.items.append((name, memory, phase, int(nbytes)))
+
+    def peak(self, memory: str, exclude: tuple[str, ...] = ()) -> int:
+        """Persistent bytes plus the largest transient phase (items in ``exclude`` left out)."""
+        items = [(m, p, b) for n, m, p, b in self.items if m == memory and n not in exclude]
+        persistent = sum(b for _, p, b in items if p == "persistent")
+        transient = [sum(b for _, p, b in items if p == phase) for phase in PHASES]
+        return persistent + max(transient)
+
+    def breakdown(self) -> dict:
+        out: dict = {"stage": self.stage, "layers": [min(self.layers), max(self.layers)] if self.layers else [],
+                     "device_bytes": self.peak("device"), "host_bytes": self.peak("host"), "items": {}}
+        for name, memory, phase, nbytes in self.items:
+            out["items"][name] = {"memory": memory, "phase": phase, "bytes": nbytes}
+        return out
+
+
+def plan_stage(config, layout: Layout, sp: StageParams, layers: list[int], precision: str,
+               vocab: int, device: str, save: bool, cpu_baseline: int | None) -> RankPlan:
+    rp = RankPlan(sp.stage, layers)
+    a = 2 if precision in ("bf16", "fp16") else 4
+    for name, nbytes in weight_bytes(sp, precision, "").items():
+        rp.add(name, "device", "persistent", nbytes)
+    rp.add("grad_buffer_fp32", "device", "persistent", grad_buffer_bytes(sp))
+    opt = optimizer_bytes.optimizer_state_bytes(sp, layout, precision)
+    for name, nbytes in opt.items():
+        rp.add(name, "device", "persistent", nbytes)
+    rp.add("optimizer_step", "device", "optimizer", optimizer_bytes.optimizer_step_bytes(sp))
+
+    tables = sp.params.get("engram_tables", 0)
+    engram_layers = [i for i in layers if getattr(config, "use_engram", False) and i in config.engram_layer_ids]
+    k = (config.max_ngram_size - 1) * config.n_head_per_ngram if engram_layers else 0
+    touched = min(layout.tokens * layout.num_micro * k * len(engram_layers), sp.table_rows)
+    table_state = 0
+    for name, memory, nbytes in engram_tables.table_items(config, tables, touched):
+        phase = {"engram_table_step": "optimizer", "engram_gradient_rows": "optimizer"}.get(name, "persistent")
+        rp.add(name, memory, phase, nbytes)
+        if phase == "persistent" and name != f"engram_tables_{config.engram_table_dtype}":
+            table_state += nbytes
+
+    for name, nbytes in activations.stage_activations(config, layout, sp.stage, layers, a, vocab, device).items():
+        rp.add(name, "device", "step", nbytes)
+    rp.add("prefetch_buffers", "host", "persistent", activations.prefetch_bytes(config, layout))
+
+    if save:  # megatron's optimizer state is copied into the save's sharded state dict
+        state = sum(opt.values()) + table_state
+        if device == "cpu":
+            rp.add("checkpoint_save_copies", "host", "save", state)
+        else:  # everything goes through host memory on its way to the files
+            weights = sum(b for n, m, p, b in rp.items if n.startswith(("weights", "engram_tables_")))
+            rp.add("checkpoint_save_copies", "host", "save", state + weights)
+
+    allocated = rp.peak("device")
+    for name, nbytes in fixed.device_fixed_items(device, allocated):
+        rp.add(name, "device", "persistent", nbytes)
+    for name, nbytes in fixed.host_fixed_items(device, cpu_baseline):
+        rp.add(name, "host", "persistent", nbytes)
+    return rp
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):8.2f} GiB"
+
+
+@dataclass
+class Plan:
+    layout: Layout
+    device: str
+    device_memory: int | None
+    host_memory: int | None
+    ranks: list[RankPlan]
+
+    @property
+    def device_bytes_per_rank(self) -> int:
+        return max(r.peak("device") for r in self.ranks)
+
+    @property
+    def host_bytes_per_rank(self) -> int:
+        return max(r.peak("host") for r in self.ranks)
+
+    @property
+    def total_bytes_per_rank(self) -> int:
+        return max(r.peak("device") + r.peak("host") for r in self.ranks)
+
+    @property
+    def host_bytes_per_node(self) -> int:
+        per_rank = self.total_bytes_per_rank if self.device == "cpu" else self.host_bytes_per_rank
+        return per_rank * self.layout.nproc_per_node
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.device != "cpu" and self.device_memory is not None and self.device_bytes_per_rank > self.device_memory:
+            out.append(f"device: {_gib(self.device_bytes_per_rank).strip()} per rank > "
+                       f"{_gib(self.device_memory).strip()}")
+        if self.host_memory is not None and self.host_bytes_per_node > self.host_memory:
+            out.append(f"host: {_gib(self.host_bytes_per_node).strip()} per node > {_gib(self.host_memory).strip()}")
+        return out
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems()
+
+    def largest(self, n: int = 5) -> list[dict]:
+        """The largest items of the rank kind that needs the most, with their fields."""
+        problems = self.problems()
+        memory = "host" if problems and not problems[0].startswith("device") else "device"
+        if self.device == "cpu":
+            rank = max(self.ranks, key=lambda r: r.peak("device") + r.peak("host"))
+        else:
+            rank = max(self.ranks, key=lambda r: r.peak(memory))
+        items = [(name, m, b) for name, m, p, b in rank.items if self.device == "cpu" or m == memory]
+        items.sort(key=lambda x: -x[2])
+        return [{"item": name, "memory": m, "bytes": b, "stage": rank.stage, "change": advice(name)}
+                for name, m, b in items[:n]]
+
+    def to_json(self) -> dict:
+        lay = self.layout
+        out = {
+            "device": self.device, "fits": self.fits, "problems": self.problems(),
+            "device_bytes_per_rank": self.device_bytes_per_rank,
+            "host_bytes_per_rank": self.host_bytes_per_rank,
+            "host_bytes_per_node": self.host_bytes_per_node,
+            "device_memory": self.device_memory, "host_memory": self.host_memory,
+            "layout": {"world": lay.world, "nproc_per_node": lay.nproc_per_node, "tp": lay.tp,
+                       "pp": lay.pp, "vpp": lay.vpp, "ep": lay.ep, "cp": lay.cp, "dp": lay.dp,
+                       "expert_dp": lay.expert_dp, "table_shards": lay.table_shards,
+                       "micro_batches": lay.num_micro},
+            "breakdown": {f"stage{r.stage}": r.breakdown() for r in self.ranks},
+        }
+        if self.device == "cpu":
+            out["total_bytes_per_rank"] = self.total_bytes_per_rank
+        if not self.fits:
+            out["largest"] = self.largest()
+        return out
+
+    def to_text(self) -> str:
+        lay = self.layout
+        lines = [f"engram-plan: {lay.world} ranks ({lay.nproc_per_node} per node): TP {lay.tp}, PP {lay.pp}"
+                 f"{f' (VPP {lay.vpp})' if lay.vpp else ''}, EP {lay.ep}, CP {lay.cp}, DP {lay.dp}, "
+                 f"Engram table shards {lay.table_shards}, {lay.num_micro} micro-batches of "
+                 f"{lay.micro_batch_size} x {lay.seq_length} per step; device: {self.device}"]
+        for r in self.ranks:
+            first, last = (min(r.layers), max(r.layers)) if r.layers else ("-", "-")
+            lines.append(f"\nstage {r.stage} (layers {first}-{last}): device {_gib(r.peak('device')).strip()}, "
+                         f"host {_gib(r.peak('host')).strip()}")
+            for memory in ("device", "host"):
+                for name, m, phase, nbytes in sorted(r.items, key=lambda x: -x[3]):
+                    if m == memory:
+                        lines.append(f"  {memory:6} {phase:10} {name:34} {_gib(nbytes)}")
+        lines.append("")
+        if self.device == "cpu":
+            lines.append(f"per rank (peak RSS): {_gib(self.total_bytes_per_rank).strip()}; per node: "
+                         f"{_gib(self.host_bytes_per_node).strip()}"
+                         + (f" of {_gib(self.host_memory).strip()}" if self.host_memory else ""))
+        else:
+            lines.append(f"device per rank: {_gib(self.device_bytes_per_rank).strip()}"
+                         + (f" of {_gib(self.device_memory).strip()}" if self.device_memory else "")
+                         + f"; host per node: {_gib(self.host_bytes_per_node).strip()}"
+                         + (f" of {_gib(self.host_memory).strip()}" if self.host_memory else ""))
+        if self.fits:
+            lines.append("fits: yes")
+        else:
+            lines.append("fits: NO (" + "; ".join(self.problems()) + ")")
+            lines.append("largest items and the fields that change them:")
+            for item in self.largest():
+                lines.append(f"  {item['item']} ({item['memory']}, stage {item['stage']}): "
+                             f"{_gib(item['bytes']).strip()} <- {item['change']}")
+        return "\n".join(lines)

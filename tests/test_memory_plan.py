@@ -1,0 +1,208 @@
+"""engram-plan: the plan's parts against analytic values, the CLI, and the calibration: the
+trainer's measured peak RSS per rank on 7 configurations within 20% of the plan."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from launch import REPO
+from memory_calibration_cases import CASES, RUN, torchrun_calibration
+
+TOLERANCE = 0.20
+GIB = 1 << 30
+
+
+def plan_cli(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "-m", "engram_train.memory_plan", *argv], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=300)
+    if check:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    """torch.distributed for one process (the plan builds the model on the meta device)."""
+    from engram_train.runtime import ParallelSizes, destroy_distributed, initialize_distributed
+
+    saved = {k: os.environ.get(k) for k in ("WORLD_SIZE", "RANK")}
+    os.environ["WORLD_SIZE"], os.environ["RANK"] = "1", "0"
+    initialize_distributed(ParallelSizes())
+    yield
+    destroy_distributed()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def plan_of(overrides, world=1, **kw):
+    from engram_train.memory_plan.cli import make_plan
+    from engram_train.training.param_count import compose_config
+
+    return make_plan(compose_config(list(overrides)), world, world, **kw)
+
+
+def item(rank, name):
+    return sum(b for n, _, _, b in rank.items if n == name)
+
+
+# -- parts against analytic values ------------------------------------------------------------
+
+
+def test_stage_params_add_up_to_the_model(one_rank):
+    """Every parameter lands on exactly one stage; TP/EP/table shards divide what they split."""
+    from engram_train.memory_plan.layout import layout_of
+    from engram_train.memory_plan.model_bytes import stage_params
+    from engram_train.training.param_count import build_on_meta, compose_config, run_config_counts
+    from engram_train.training.run_config import build_transformer_config
+
+    total = run_config_counts(compose_config([]), None)["total"]
+    cfg = compose_config(["system.pipeline_model_parallel_size=2", "train.global_batch_size=8"])
+    config = build_transformer_config(cfg)
+    model = build_on_meta(config, 4096, 128)
+    one = stage_params(model, config, layout_of(compose_config([]), build_transformer_config(compose_config([])), 1, 1))
+    pp2 = stage_params(model, config, layout_of(cfg, config, 2, 2))
+    assert sum(sum(s.params.values()) for s in one) == total
+    assert sum(sum(s.params.values()) for s in pp2) == total
+    assert pp2[0].params["embedding"] and not pp2[1].params.get("embedding")
+    assert pp2[1].params["output_layer"] and not pp2[0].params.get("output_layer")
+    # layers 1 and 3 carry Engram: one table per stage (its heads' primes differ by layer)
+    assert pp2[0].params["engram_tables"] + pp2[1].params["engram_tables"] == one[0].params["engram_tables"]
+    assert pp2[0].params["engram_tables"] == pytest.approx(pp2[1].params["engram_tables"], rel=0.01)
+    tp2 = compose_config(["system.tensor_model_parallel_size=2", "model.engram_embedding_parallel_size=2",
+                          "train.global_batch_size=2"])
+    split = stage_params(model, config, layout_of(tp2, build_transformer_config(tp2), 2, 2))[0]
+    assert split.params["output_layer"] * 2 == one[0].params["output_layer"]
+    assert split.params["routed_experts"] * 2 == one[0].params["routed_experts"]  # expert TP
+    assert split.params["router"] == one[0].params["router"]  # replicated
+    assert abs(split.params["engram_tables"] * 2 - one[0].params["engram_tables"]) <= 2 * 16 * 2
+
+
+def test_engram_table_bytes_by_option(one_rank):
+    """Table, master and moments per element: fp32 4+0+8, bf16 2+4+8, offload adds a float32
+    master to fp32 tables; host placement puts all of it in host memory."""
+    fp32 = plan_of([]).ranks[0]
+    elements = item(fp32, "engram_tables_fp32") // 4
+    assert elements > 0
+    assert item(fp32, "engram_table_moments") == 8 * elements and item(fp32, "engram_table_master") == 0
+    bf16 = plan_of(["model.engram_table_dtype=bf16"]).ranks[0]
+    assert item(bf16, "engram_tables_bf16") == 2 * elements and item(bf16, "engram_table_master") == 4 * elements
+    off = plan_of(["model.engram_offload_embedding_optimizer_states=true"], device="cuda",
+                  device_memory=GIB).ranks[0]
+    where = {n: m for n, m, _, _ in off.items}
+    assert where["engram_tables_fp32"] == "device" and where["engram_table_moments"] == "host"
+    assert item(off, "engram_table_master") == 4 * elements
+    host = plan_of(["model.engram_table_placement=host"], device="cuda", device_memory=GIB).ranks[0]
+    assert {m for n, m, _, _ in host.items if n.startswith("engram_table")} == {"host"}
+    dense = plan_of(["model.engram_optimizer=adam"]).ranks[0]
+    assert item(dense, "engram_table_step") == 8 * elements  # a dense float32 gradient + Adam's
+
+
+def test_optimizer_state_is_sharded_by_the_distributed_optimizer(one_rank):
+    one = plan_of(["system.precision=bf16"]).ranks[0]
+    dp2 = plan_of(["system.precision=bf16", "train.global_batch_size=8"], world=2).ranks[0]
+    full = plan_of(["system.precision=bf16", "system.use_distributed_optimizer=false",
+                    "train.global_batch_size=8"], world=2).ranks[0]
+    weights = item(one, "weights_bf16") // 2
+    assert item(one, "adam_moments") == 8 * weights and item(one, "fp32_main_params") == 4 * weights
+    assert item(full, "adam_moments") == item(one, "adam_moments")
+    assert abs(item(dp2, "adam_moments") * 2 - item(one, "adam_moments")) <= 16
+    assert item(one, "grad_buffer_fp32") == 4 * weights
+
+
+def test_recompute_and_pipeline_in_flight(one_rank):
+    """Full recompute keeps one hidden state per layer; 1F1B's first stage holds PP micro-batches."""
+    plain = plan_of([]).ranks[0]
+    full = plan_of(["system.recompute_granularity=full"]).ranks[0]
+    assert item(full, "layer_inputs (full recompute)") == 4 * 2 * 128 * 64 * 4  # layers x b x s x h x fp32
+    assert item(full, "attention") == 0 and item(plain, "attention") > 0
+    pp = plan_of(["system.pipeline_model_parallel_size=2", "train.global_batch_size=8"], world=2)
+    first, last = pp.ranks
+    from engram_train.memory_plan.activations import in_flight_chunks
+
+    assert in_flight_chunks(0, pp.layout)[0] == 2 and in_flight_chunks(1, pp.layout)[0] == 1
+    assert item(first, "logits_and_loss") == 0 and item(last, "logits_and_loss") > 0
+
+
+def test_parse_bytes():
+    from engram_train.memory_plan.cli import PlanError, parse_bytes
+
+    assert parse_bytes("141GiB", "--device-memory") == 141 * GIB
+    assert parse_bytes("2TiB", "--host-memory") == 2 << 40
+    assert parse_bytes("80GB", "--device-memory") == 80 * 10**9
+    with pytest.raises(PlanError, match="--device-memory"):
+        parse_bytes("lots", "--device-memory")
+
+
+# -- the command ---------------------------------------------------------------------------------
+
+
+def test_engram_27b_on_64_h200_from_the_meta_device():
+    proc = plan_cli("model=engram_27b", "system.precision=bf16", "system.tensor_model_parallel_size=2",
+                    "system.pipeline_model_parallel_size=2", "train.micro_batch_size=1",
+                    "train.global_batch_size=1024", "train.seq_length=4096", "--vocab-size", "129280",
+                    "--nproc-per-node", "8", "--nnodes", "8", "--device-memory", "141GiB",
+                    "--host-memory", "2TiB", "--json")
+    plan = json.loads(proc.stdout)
+    assert {"device_bytes_per_rank", "host_bytes_per_rank", "host_bytes_per_node", "fits",
+            "breakdown"} <= set(plan)
+    assert isinstance(plan["fits"], bool) and set(plan["breakdown"]) == {"stage0", "stage1"}
+    assert plan["layout"]["world"] == 64 and plan["layout"]["dp"] == 16
+    s0, s1 = plan["breakdown"]["stage0"]["items"], plan["breakdown"]["stage1"]["items"]
+    assert "embedding_output" in s0 and "logits_and_loss" in s1 and "logits_and_loss" not in s0
+    # 5.8B table parameters over 8 shards, fp32: 2 layers of 2.9B on 2 stages -> 362M per rank
+    assert s0["engram_tables_fp32"]["bytes"] == pytest.approx(4 * 5_792_771_520 / 2 / 8, rel=1e-3)
+    assert plan["device_bytes_per_rank"] == max(plan["breakdown"][s]["device_bytes"] for s in ("stage0", "stage1"))
+
+
+def test_a_plan_that_does_not_fit_names_its_largest_items_and_fields():
+    proc = plan_cli("model=engram_27b", "system.precision=bf16", "train.global_batch_size=8",
+                    "model.engram_embedding_parallel_size=8", "--vocab-size", "129280",
+                    "--nproc-per-node", "8", "--device-memory", "141GiB", "--host-memory", "2TiB")
+    assert "fits: NO" in proc.stdout
+    assert "model.engram_embedding_parallel_size" in proc.stdout or "system.expert_model_parallel_size" in proc.stdout
+    as_json = json.loads(plan_cli("model=engram_27b", "system.precision=bf16", "train.global_batch_size=8",
+                                  "model.engram_embedding_parallel_size=8", "--vocab-size", "129280",
+                                  "--nproc-per-node", "8", "--device-memory", "141GiB", "--json").stdout)
+    assert as_json["fits"] is False and as_json["largest"][0]["change"]
+    assert as_json["largest"][0]["bytes"] == max(x["bytes"] for x in as_json["largest"])
+
+
+def test_bad_arguments_exit_1_with_the_field():
+    proc = plan_cli("--device-memory", "lots", check=False)
+    assert proc.returncode == 1 and "--device-memory='lots'" in proc.stderr and "Traceback" not in proc.stderr
+    proc = plan_cli("system.tensor_model_parallel_size=3", "--nproc-per-node", "4", check=False)
+    assert proc.returncode == 1 and "tensor" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# -- calibration: predicted vs measured peak RSS per rank ----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def calibration(tmp_path_factory):
+    """The fixed baseline (measured on 2 ranks) and every case's measured peak RSS per rank."""
+    root = tmp_path_factory.mktemp("memory")
+    baseline = max(r["peak_rss"] for r in torchrun_calibration(2, root / "baseline", list(RUN), baseline=True))
+    measured = {c.name: torchrun_calibration(c.nproc, root / c.name, c.all_overrides()) for c in CASES}
+    return baseline, measured
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_predicted_peak_rss_within_20_percent(calibration, case, one_rank):
+    baseline, measured = calibration
+    plan = plan_of(case.all_overrides(), world=case.nproc, cpu_baseline=baseline)
+    for rank in measured[case.name]:
+        stage = plan.ranks[rank["pipeline_rank"]]
+        predicted = stage.peak("device") + stage.peak("host")
+        ratio = predicted / rank["peak_rss"]
+        assert abs(ratio - 1) <= TOLERANCE, (
+            f"{case.name} stage {stage.stage}: predicted {predicted / 2**20:.0f} MiB, measured "
+            f"{rank['peak_rss'] / 2**20:.0f} MiB (baseline {baseline / 2**20:.0f} MiB)")
