@@ -150,3 +150,41 @@ def test_master_weights_false_is_validated():
         EngramConfig(**base, engram_optimizer_state_dtype="bf16")
     EngramConfig(**base, engram_master_weights=False, engram_table_dtype="bf16",
                  engram_optimizer="rowwise_adam", engram_optimizer_state_dtype="bf16")
+
+
+def test_resume_between_optimizer_state_layouts_is_refused():
+    """A sparse_adam checkpoint (two moments per element) does not resume into rowwise_adam
+    and back; sparse_adam <-> adam share a layout; older manifests count as sparse_adam's."""
+    from hydra import compose, initialize_config_dir
+
+    from engram_train.engram.ngram_hash import NgramHashMapping
+    from engram_train.training.run_config import build_transformer_config
+    from engram_train.training.run_identity import (
+        ResumeMismatchError,
+        check_run_identity,
+        run_identity,
+    )
+    from launch import REPO
+
+    def identity(*overrides):
+        with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+            config = build_transformer_config(compose(config_name="train",
+                                                      overrides=list(overrides)))
+        return run_identity(config, 4096, NgramHashMapping(config))
+
+    sparse = identity()
+    rowwise = identity("model.engram_optimizer=rowwise_adam")
+    assert (sparse["engram_optimizer_state"], rowwise["engram_optimizer_state"]) == (
+        "elementwise", "rowwise")
+    with pytest.raises(ResumeMismatchError, match=r"model\.engram_optimizer: .* elementwise.*"
+                       r"resume with model\.engram_optimizer=sparse_adam.*load_engram=false"):
+        check_run_identity(sparse, rowwise, load_engram=True, where="ckpt")
+    with pytest.raises(ResumeMismatchError, match=r"engram_optimizer=rowwise_adam"):
+        check_run_identity(rowwise, sparse, load_engram=True, where="ckpt")
+    older = {k: v for k, v in sparse.items() if k != "engram_optimizer_state"}
+    with pytest.raises(ResumeMismatchError):
+        check_run_identity(older, rowwise, load_engram=True, where="ckpt")
+    check_run_identity(older, sparse, load_engram=True, where="ckpt")
+    check_run_identity(sparse, identity("model.engram_optimizer=adam"), load_engram=True,
+                       where="ckpt")
+    check_run_identity(sparse, rowwise, load_engram=False, where="ckpt")
