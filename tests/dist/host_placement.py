@@ -5,9 +5,9 @@ same checkpoint and trained with ``device`` and with ``host`` placement, a diffe
 every step: losses, grad norms, the reassembled tables and their Adam moments are recorded, with
 evidence that the host path ran (tables marked host-resident, rows gathered through the host
 staging path, the table optimizer's update timed on the host). Layouts: eps 1 (DP4 replicas),
-eps 2, eps 2 with TP2 + sequence parallel, PP2 with eps 2, the allreduce method under TP2, and
-bf16 tables (float32 masters on the host), ``rowwise_adam`` and the 4-byte configuration (bf16
-tables without master, stochastic rounding, bf16 first moment). ``host`` placement updates the
+eps 2, eps 2 with TP2 + sequence parallel, PP2 with eps 2, the allreduce method under TP2,
+bf16 tables (float32 masters on the host), and the 4-byte configuration under eps 2 and TP2 x eps 2 (``rowwise_adam``,
+bf16 tables without master, stochastic rounding, bf16 first moment). ``host`` placement updates the
 tables on a host thread overlapped with the next step (``engram_overlap_host_update``, the
 default), ``device`` placement synchronously: equal bits mean the overlap is exact.
 
@@ -54,8 +54,6 @@ LAYOUTS = [  # name, method, sizes, sequence parallel, overrides
     ("allreduce_tp2", "allreduce", ParallelSizes(tensor=2), True, {}),
     ("eps2_bf16_tables", "alltoall", ParallelSizes(engram_embedding=2), False,
      dict(engram_table_dtype="bf16")),
-    ("eps2_rowwise", "alltoall", ParallelSizes(engram_embedding=2), False,
-     dict(engram_optimizer="rowwise_adam")),
     ("eps2_4byte", "alltoall", ParallelSizes(engram_embedding=2), False, FOUR_BYTE),
     ("tp2_eps2_4byte", "alltoall", ParallelSizes(tensor=2, engram_embedding=2), True, FOUR_BYTE),
 ]
