@@ -147,3 +147,35 @@ class OverlappedHostUpdate:
         self._thread, self._progress, self._tables = None, None, []
         if error is not None:
             raise RuntimeError("the overlapped Engram host table update failed") from error
+
+
+@torch.no_grad()
+def next_step_rows(model_chunks, microbatches) -> dict[int, torch.Tensor]:
+    """{id(table weight): distinct shard-local rows this rank's micro-batches read from it}
+    for the tables this rank holds, from the micro-batches' hash-id blocks (``[L, B, S, K]``,
+    one slice per Engram layer in increasing layer order). Rows other ranks will request from
+    a shard are not known here; their lookups still wait correctly, only later."""
+    blocks = [b.get("engram_hash_ids") for b in microbatches]
+    if not blocks or not all(isinstance(b, torch.Tensor) for b in blocks):
+        return {}
+    rows: dict[int, torch.Tensor] = {}
+    for chunk in model_chunks:
+        layer_ids = sorted(chunk.config.engram_layer_ids)
+        for module in chunk.modules():
+            if type(module).__name__ != "MultiHeadEmbedding":
+                continue
+            index = layer_ids.index(module.layer_id)
+            ids = torch.cat([module.table_rows(b[index].to(module.offsets.device)).reshape(-1)
+                             for b in blocks]).unique() - module.row_start
+            rows[id(module.weight)] = ids[(ids >= 0) & (ids < module.weight.shape[0])].cpu()
+    return rows
+
+
+def prioritize_next_step(model_chunks, optimizer, microbatches) -> None:
+    """Tell the Engram table optimizer in ``optimizer`` (a chain or itself) which rows the next
+    step reads, so an overlapped host update changes them first."""
+    parts = getattr(optimizer, "chained_optimizers", [optimizer])
+    for part in parts:
+        if getattr(part, "overlap", False):
+            rows = next_step_rows(model_chunks, microbatches)
+            part.prioritize_rows([rows.get(id(p)) for p in part.model_params])

@@ -12,7 +12,8 @@ tables on a host thread overlapped with the next step (``engram_overlap_host_upd
 default), ``device`` placement synchronously: equal bits mean the overlap is exact.
 
 Overlap against the synchronous host update: 20 steps of the 4-byte configuration under eps 2
-with ``engram_overlap_host_update`` on and off, losses and tables compared bitwise.
+with ``engram_overlap_host_update`` on (each step naming the next step's batches, so their rows
+are updated first) and off, losses and tables compared bitwise.
 
 Resume across placements: 2 steps with ``device`` placement, a checkpoint with the optimizer,
 then 2 more steps with ``host`` placement from it (and the reverse) must equal 4 uninterrupted
@@ -73,10 +74,13 @@ def setup(root, method, sizes, sp, overrides, placement):
     return model, optimizer
 
 
-def train(model, optimizer, steps):
+def train(model, optimizer, steps, lookahead=False):
+    """``lookahead``: each step names the next step's batches (the overlapped host update
+    changes the rows they read first)."""
     losses, norms = [], []
     for step in steps:
-        result = train_step(model, optimizer, batches_of_step(step), SEQ, MICRO_BATCH)
+        result = train_step(model, optimizer, batches_of_step(step), SEQ, MICRO_BATCH,
+                            next_microbatches=batches_of_step(step + 1) if lookahead else None)
         losses.append(result.lm_loss)
         norms.append(result.grad_norm)
     return losses, norms
@@ -141,7 +145,7 @@ def overlap_against_sync(root):
         model, optimizer = setup(root, "alltoall", RESUME_SIZES, False,
                                  dict(FOUR_BYTE, engram_overlap_host_update=overlap), "host")
         HOST_TABLE_TIMES.reset()
-        losses, norms = train(model, optimizer, range(OVERLAP_STEPS))
+        losses, norms = train(model, optimizer, range(OVERLAP_STEPS), lookahead=overlap)
         tables, moments = snapshot(model, optimizer)
         out[overlap] = dict(losses=losses, norms=norms, tables=tables, moments=moments,
                             overlapped=table_optimizer(optimizer).overlap,
