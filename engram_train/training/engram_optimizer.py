@@ -359,17 +359,14 @@ class EngramTableOptimizer(MegatronOptimizer):
         self.host_update.finish()
         plans = self.optimizer.begin_step()
         host = [(rows.to("cpu"), values.to("cpu")) for rows, values in grads]
-        positions = []
-        for rows, _ in host:  # row id -> its gradient row, for any part of the rows
-            lookup = torch.empty(0, dtype=torch.int64)
-            if rows.numel():
-                lookup = torch.full((int(rows.max()) + 1,), -1, dtype=torch.int64)
-                lookup[rows] = torch.arange(rows.numel())
-            positions.append(lookup)
+        # row id -> its gradient row, for any part of the rows (a search, nothing table-sized)
+        sorted_rows = [torch.sort(rows) for rows, _ in host]
         optimizer: RowOptimizer = self.optimizer
 
         def update(index: int, rows: torch.Tensor) -> None:
-            values = host[index][1].index_select(0, positions[index][rows])
+            ordered, order = sorted_rows[index]
+            at = order[torch.searchsorted(ordered, rows)]
+            values = host[index][1].index_select(0, at)
             optimizer.update_rows(self.main_params[index], rows, values, plans[index])
             self._copy_master_rows(index, rows)
 
