@@ -115,16 +115,22 @@ def scale_index(num_streams: int, device=None) -> torch.Tensor:
     return torch.tensor([0] * n + [1] * n + [2] * n * n, device=device)
 
 
+def mixing_weights(h_post: torch.Tensor, c: torch.Tensor, dtype: torch.dtype
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The write-back weights in the model dtype: ``H_post`` and ``C - I``."""
+    eye = torch.eye(c.shape[-1], dtype=c.dtype, device=c.device)
+    return h_post.to(dtype), (c - eye).to(dtype)
+
+
 def mix_streams(x: torch.Tensor, y: torch.Tensor, h_post: torch.Tensor, c: torch.Tensor
                 ) -> torch.Tensor:
     """``X'[k] = H_post[k] y + sum_j C[j, k] X[j]`` in X's dtype, written as
     ``X + H_post y + (C - I)^T X``: ``C - I`` is small near the identity, so its bf16 rounding
     keeps C's row and column sums (the ~0.999 diagonal of C itself rounds to 1.0 in bf16, and
     the residual would grow by ~0.1% per sublayer)."""
-    dtype = x.dtype
     n, h = x.shape[2], x.shape[3]
-    eye = torch.eye(n, dtype=c.dtype, device=c.device)
-    d, h_post, y = (c - eye).to(dtype), h_post.to(dtype), y.to(dtype)
+    h_post, d = mixing_weights(h_post, c, x.dtype)
+    y = y.to(x.dtype)
     out = torch.addcmul(x, h_post.unsqueeze(-1), y.unsqueeze(-2))
     if x.is_cuda or h >= BATCHED_MIX_MIN_HIDDEN:  # one batched [n, n] @ [n, h] per token
         return out + torch.matmul(d.transpose(-1, -2), x)
@@ -206,10 +212,9 @@ class _WriteBackRecomputed(torch.autograd.Function):
         hc, state = ctx.hc, ctx.state
         state.graph = _recompute_mapping(hc, x, (hc.fn, hc.base, hc.scale))
         _, (_, h_post, c) = state.graph
-        dtype, n = x.dtype, x.shape[2]
+        dtype = x.dtype
         grad = grad.to(dtype)
-        d = (c.detach() - torch.eye(n, dtype=c.dtype, device=c.device)).to(dtype)
-        hp = h_post.detach().to(dtype)
+        hp, d = mixing_weights(h_post.detach(), c.detach(), dtype)
         grad_x = grad + torch.matmul(d, grad)  # dX[j] = g[j] + sum_k (C - I)[j, k] g[k]
         grad_y = (hp.unsqueeze(-1) * grad).sum(2)
         state.grads = [(grad * y.to(dtype).unsqueeze(2)).sum(-1).float(),
