@@ -82,3 +82,81 @@ def test_hash_block_without_reset_is_hash_stacked():
     np.testing.assert_array_equal(mapping.hash_block(ids), mapping.hash_stacked(ids))
     with_docs = _mapping(_config()).hash_block(torch.as_tensor(ids))
     np.testing.assert_array_equal(with_docs[-1, :, :, 3].numpy(), document_distance(ids, EOS))
+
+
+def test_streamed_distances_and_conv_equal_the_whole_sequence():
+    """Decoding in chunks (EngramMemory, the Hugging Face class) carries where the next token
+    lies in its document; chunk by chunk equals the whole sequence."""
+    from engram_train.inference.incremental_hash import continue_document_distance
+    from engram_train.inference.memory import _StreamingShortConv
+
+    rng = np.random.default_rng(3)
+    ids = rng.integers(0, 10, (3, 40))
+    ids[0, [4, 5, 17]] = EOS
+    ids[1, 0] = EOS
+    want = document_distance(ids, EOS)
+    torch.manual_seed(2)
+    conv = ShortConv(8, 1, kernel_size=4, dilation=3)
+    conv.conv.reset_parameters()
+    x = torch.randn(40, 3, 1, 8)
+    whole = conv(x, document_distance=torch.from_numpy(want).T)
+    streaming = _StreamingShortConv(conv)
+    streaming.state = torch.zeros(3, 8, conv.left_pad)
+    since, got, outputs = np.zeros(3, np.int64), [], []
+    for start, end in ((0, 1), (1, 6), (6, 7), (7, 18), (18, 18), (18, 40)):
+        distance, since = continue_document_distance(ids[:, start:end], EOS, since)
+        got.append(distance)
+        outputs.append(streaming(x[start:end], document_distance=torch.from_numpy(distance).T))
+    np.testing.assert_array_equal(np.concatenate(got, axis=1), want)
+    torch.testing.assert_close(torch.cat(outputs), whole, rtol=1e-6, atol=1e-6)
+
+
+def test_hugging_face_class_stops_the_conv_at_document_starts():
+    """Engram on layer 0 reads the embeddings, which do not depend on context: its output on a
+    document is the same whatever document came before, and the cached decoding agrees."""
+    transformers = pytest.importorskip("transformers")
+    from engram_train.hf.modeling import EngramDeepseekV3Config, EngramDeepseekV3ForCausalLM
+
+    vocab = 64
+    engram = _config(engram_layer_ids=[0])
+    fields = {name: getattr(engram, name) for name in EngramConfig.field_names()}
+    fields.update(num_raw_ids=vocab, compressed_pad_id=0)
+    config = EngramDeepseekV3Config(
+        engram=fields, vocab_size=vocab, hidden_size=32, intermediate_size=64,
+        moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, n_shared_experts=1, n_routed_experts=4, n_group=1, topk_group=1,
+        num_experts_per_tok=2, first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16,
+        qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8, max_position_embeddings=64,
+        num_nextn_predict_layers=0)
+    torch.manual_seed(4)
+    model = EngramDeepseekV3ForCausalLM(config).eval()
+    mapping = _mapping(engram)
+    hash_module = model.model.engram_hash
+    with torch.no_grad():
+        hash_module.lookup.copy_(torch.arange(vocab))
+        hash_module.multipliers_0.copy_(torch.from_numpy(mapping.multipliers[0]))
+        hash_module.primes_0.copy_(torch.from_numpy(np.asarray(mapping.primes[0])))
+        layer = model.model.layers[0].engram
+        layer.short_conv.conv.weight.normal_(0.0, 1.0)
+        layer.value_proj.weight.normal_(0.0, 0.5)
+    hash_module._hasher = None
+    outputs = []
+    layer.register_forward_hook(lambda mod, args, out: outputs.append(out.detach().clone()))
+    second = torch.randint(8, vocab, (1, 12))
+    runs = []
+    for seed in (0, 1):
+        first = torch.randint(8, vocab, (1, 9), generator=torch.Generator().manual_seed(seed))
+        ids = torch.cat([first, torch.full((1, 1), EOS), second], 1)
+        outputs.clear()
+        with torch.no_grad():
+            model(ids, use_cache=False)
+        runs.append(outputs[0][10:])  # sequence first: the second document's positions
+    torch.testing.assert_close(runs[0], runs[1], rtol=0, atol=0)
+    # cached decoding carries the document position: token by token equals the whole call
+    outputs.clear()
+    cache = transformers.DynamicCache(config=config)
+    with torch.no_grad():
+        model(ids[:, :7], past_key_values=cache, use_cache=True)
+        for t in range(7, ids.shape[1]):
+            model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+    torch.testing.assert_close(torch.cat(outputs)[10:], runs[1], rtol=1e-5, atol=1e-6)
