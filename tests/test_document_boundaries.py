@@ -16,10 +16,10 @@ EOS = 7
 
 
 def _config(**overrides) -> EngramConfig:
-    return EngramConfig(use_engram=True, engram_tokenizer_name_or_path="unused",
-                        engram_vocab_size=[300, 200], n_embed_per_ngram=16, n_head_per_ngram=2,
-                        engram_layer_ids=[0, 2], engram_reset_at_eos=True, engram_eos_id=EOS,
-                        **overrides)
+    fields = dict(use_engram=True, engram_tokenizer_name_or_path="unused",
+                  engram_vocab_size=[300, 200], n_embed_per_ngram=16, n_head_per_ngram=2,
+                  engram_layer_ids=[0, 2], engram_reset_at_eos=True, engram_eos_id=EOS)
+    return EngramConfig(**{**fields, **overrides})
 
 
 def _mapping(config) -> NgramHashMapping:
