@@ -23,6 +23,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from engram_train.errors import EngramError
+
 # Backbone config fields that decide parameter shapes (those a config lacks are recorded as None).
 SHAPE_FIELDS = (
     "num_layers",
@@ -88,7 +90,7 @@ SCHEDULE_KEYS = {
 _IN_SAMPLES = ("lr_warmup_steps", "lr_decay_steps", "wd_incr_steps")
 
 
-class ResumeMismatchError(ValueError):
+class ResumeMismatchError(EngramError, ValueError):
     """A checkpoint does not match this run; the message names each key and the override.
 
     ``overrides``: the settings that accept every listed difference (empty when one of them
