@@ -129,7 +129,7 @@ def setup(name, layout, sp, overrides, distopt, seed):
     model = build(cfg, distopt)
     if len(model) > 1:
         cfg.no_sync_func = [m.no_sync for m in model]
-    opt_config = OptimizerConfig(optimizer="adam", lr=3e-3, clip_grad=0.5, weight_decay=0.0,
+    opt_config = OptimizerConfig(optimizer="adam", lr=3e-4, clip_grad=0.5, weight_decay=0.0,
                                  use_distributed_optimizer=distopt,
                                  bf16=bool(overrides.get("bf16")),
                                  params_dtype=overrides.get("params_dtype", torch.float32))
