@@ -26,7 +26,8 @@ LOCK_FILE = ".engram-train.lock"
 _held: dict[Path, object] = {}  # folder -> open lock file, kept for the process's life
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists on this host (one owned by another user counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -61,7 +62,7 @@ def lock_save_folder(root: str | os.PathLike) -> Path:
             "folder would delete each other's checkpoints in progress. Wait for that run to end or "
             "stop it, or choose another checkpoint.save"
         ) from None
-    if holder.get("pid") and (holder.get("host") != socket.gethostname() or not _alive(int(holder["pid"]))):
+    if holder.get("pid") and (holder.get("host") != socket.gethostname() or not process_alive(int(holder["pid"]))):
         log.warning("%s: taking over the lock of run pid %s on %s, which is gone", root, holder["pid"],
                     holder.get("host"))  # fmt: skip
     f.seek(0)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engram_train.checkpoint.layout import MANIFEST, TRACKER, fsync_dir
+from engram_train.checkpoint.lock import process_alive
 from engram_train.export.errors import ExportError
 
 # Written into every export: what --force may replace.
@@ -125,21 +126,9 @@ def _stale(out: Path) -> list[Path]:
     found = []
     for path in out.parent.iterdir() if out.parent.is_dir() else ():
         m = pattern.match(path.name)
-        if m and path.is_dir() and not (m.group(1) and _alive(int(m.group(1)))):
+        if m and path.is_dir() and not (m.group(1) and process_alive(int(m.group(1)))):
             found.append(path)
     return found
-
-
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _fsync_tree(folder: Path) -> None:
