@@ -437,14 +437,19 @@ def key_chain_by_role(ctx) -> None:
             return original_load(self, state_dict)
         saved_roles = state_dict["roles"]
         requests = getattr(self, "_role_requests", None) or {}
-        for role, optimizer in zip(chain_roles(self.chained_optimizers), self.chained_optimizers):
+        roles = chain_roles(self.chained_optimizers)
+        # Missing roles first: loading a saved role consumes its step counts (megatron's
+        # non-distributed optimizers pop ``common_step``), which a missing role is given.
+        states = {}
+        for role in roles:
             if role in saved_roles:
-                optimizer.load_state_dict(state_dict[role])
+                states[role] = state_dict[role]
+            elif role not in requests:
+                raise RuntimeError(f"optimizer role {role!r} was not requested for this load")
             else:
-                if role not in requests:
-                    raise RuntimeError(f"optimizer role {role!r} was not requested for this load")
-                optimizer.load_state_dict(
-                    _state_for_missing_role(role, requests[role], state_dict, saved_roles))
+                states[role] = _state_for_missing_role(role, requests[role], state_dict, saved_roles)
+        for role, optimizer in zip(roles, self.chained_optimizers):
+            optimizer.load_state_dict(states[role])
         self._role_requests = None
         self._synchronize_steps()
 
