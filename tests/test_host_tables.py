@@ -1,17 +1,19 @@
 """Host-resident Engram tables: ``host`` and ``device`` placement train bit-identically
 (tables and Adam moments too) across layouts, the host path demonstrably ran, and a checkpoint
-saved with one placement resumes exactly with the other. One 4-process launch."""
+saved with one placement resumes exactly with the other; host placement's overlapped update
+equals the synchronous one bit for bit. One 4-process launch."""
 
 import pytest
 
 from launch import torchrun
 
-LAYOUTS = ["eps1", "eps2", "tp2_eps2", "pp2_eps2", "allreduce_tp2", "eps2_bf16_tables"]
+LAYOUTS = ["eps1", "eps2", "tp2_eps2", "pp2_eps2", "allreduce_tp2", "eps2_bf16_tables",
+           "eps2_4byte", "tp2_eps2_4byte"]
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return torchrun("host_placement.py", 4, tmp_path_factory.mktemp("host_tables"))
+    return torchrun("host_placement.py", 4, tmp_path_factory.mktemp("host_tables"), timeout=1500)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -39,6 +41,29 @@ def test_resume_across_placements_is_exact(results, direction):
         got = r[f"resume_{direction}"]
         assert got["losses"] == got["straight"]
         assert got["tables_bitwise"] and got["moments_bitwise"]
+
+
+def test_four_byte_configuration_resumes_exactly_and_reshards(results):
+    for r in results:
+        got = r["resume_four_byte"]
+        assert got["losses"] == got["straight"]
+        assert got["tables_bitwise"] and got["moments_bitwise"]
+        reshard = r["reshard_four_byte"]
+        assert reshard["row_moment_saved"]
+        assert reshard["tables_bitwise"] and reshard["moments_bitwise"]
+
+
+def test_overlapped_host_update_equals_synchronous_over_20_steps(results):
+    for r in results:
+        got = r["overlap"]
+        assert got["overlapped"] == [True, False]
+        assert len(got["losses"]) == 20 and got["losses"] == got["sync_losses"]
+        assert got["norms_equal"] and got["tables_bitwise"] and got["moments_bitwise"]
+        # the synchronous update is all critical path; the overlapped one reports its part
+        assert got["sync_wait_s"] >= got["sync_update_s"] > 0
+        assert got["update_s"] > 0 and got["wait_s"] >= 0
+    losses = [r["overlap"]["losses"] for r in results if r["overlap"]["losses"][0]]
+    assert losses and len(set(losses[0])) == 20
 
 
 def test_placement_is_validated():
