@@ -120,6 +120,8 @@ def initialize_distributed(
             world_size=world,
             timeout=datetime.timedelta(minutes=timeout_minutes),
         )
+    else:  # another layout in the same process: the previous layout's groups are released
+        release_parallel_groups()
     parallel.validate(dist.get_world_size())
     global _PATCHES_LOGGED
     if dist.get_rank() == 0 and not _PATCHES_LOGGED:
@@ -151,6 +153,22 @@ def set_seed(seed: int) -> None:
     np.random.seed(seed)
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def release_parallel_groups() -> None:
+    """Forget megatron's and Engram's groups and shut down every process group but the default
+    one. megatron's ``destroy_model_parallel`` only drops its references (and its gloo
+    data-parallel groups): each gloo group keeps transport threads until it is shut down, so a
+    process that initializes layout after layout would otherwise collect thousands of threads."""
+    from megatron.core import parallel_state
+    from torch.distributed import distributed_c10d as c10d
+
+    destroy_engram_parallel()
+    parallel_state.destroy_model_parallel()
+    world = c10d._get_default_group()
+    for group in list(c10d._world.pg_map):
+        if group is not world:
+            dist.destroy_process_group(group)
 
 
 def destroy_distributed() -> None:
