@@ -7,6 +7,7 @@ present, gloo otherwise (with the CPU compatibility layer installed first).
 from __future__ import annotations
 
 import datetime
+import gc
 import logging
 import os
 import random
@@ -159,7 +160,8 @@ def release_parallel_groups() -> None:
     """Forget megatron's and Engram's groups and shut down every process group but the default
     one. megatron's ``destroy_model_parallel`` only drops its references (and its gloo
     data-parallel groups): each gloo group keeps transport threads until it is shut down, so a
-    process that initializes layout after layout would otherwise collect thousands of threads."""
+    process that initializes layout after layout would otherwise collect thousands of threads
+    (the objects still referenced keep theirs until they are freed)."""
     from megatron.core import parallel_state
     from torch.distributed import distributed_c10d as c10d
 
@@ -169,6 +171,9 @@ def release_parallel_groups() -> None:
     for group in list(c10d._world.pg_map):
         if group is not world:
             dist.destroy_process_group(group)
+    # A gloo group's threads end with the group object; models and optimizers of the previous
+    # layout that hold it are often only reachable through reference cycles.
+    gc.collect()
 
 
 def destroy_distributed() -> None:
