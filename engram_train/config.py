@@ -15,7 +15,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from engram_train.mhc_config import HyperConnectionConfig, check_hyper_connections, require_int
+from engram_train.mhc_config import (
+    HyperConnectionConfig,
+    check_hyper_connections,
+    require_int,
+    take_mhc_recompute_module,
+)
 
 EMBEDDING_PARALLEL_METHODS = ("alltoall", "allreduce")
 TABLE_OPTIMIZERS = ("sparse_adam", "adam", "rowwise_adam")
@@ -421,8 +426,9 @@ def _compose(name: str, megatron_cls: type) -> type:
     megatron's fields, then mHC's (which resolve `engram_hc_mult`), then Engram's."""
 
     def __post_init__(self) -> None:
+        mhc_recompute = take_mhc_recompute_module(self)  # a name megatron-core 0.16/0.19 refuse
         megatron_cls.__post_init__(self)
-        check_hyper_connections(self)
+        check_hyper_connections(self, mhc_recompute)
         EngramConfig.__post_init__(self)
         self.validate_num_layers(self.num_layers)
         self.validate_hidden_size(self.hidden_size)

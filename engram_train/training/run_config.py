@@ -326,6 +326,9 @@ def build_transformer_config(cfg):
         fp16=s.precision == "fp16",
         recompute_granularity=s.recompute_granularity,
     )
+    modules = _get(s, "recompute_modules")
+    if modules is not None:  # megatron's selective modules, plus "mhc" (the mHC mappings)
+        fields.update(recompute_modules=list(modules))
     if s.recompute_granularity == "full":
         fields.update(recompute_method=s.recompute_method, recompute_num_layers=int(s.recompute_num_layers))
     try:
