@@ -35,6 +35,12 @@ Sections (each runs independently; a failure is recorded and the next section ru
 - ``context_parallel``: (2+ ranks, TE) the tiny Engram model in bf16 with context parallelism
   = world (TE's CP attention, Engram's conv halo over NCCL) against CP 1 (DP = world) from
   the same weights on the same global batches: losses of 3 steps within bf16 noise (2%).
+- ``mhc``: the mHC backbone (``deepseek_v3_tiny_mhc``) in bf16: the mapping parameters
+  float32, the mapping recompute on by default; the mapping and its write-back forward and
+  backward under ``torch.cuda.set_sync_debug_mode("error")`` (no host synchronisation), with
+  and without recompute; saved-for-backward bytes per token of one sublayer's mapping; 3
+  training steps with recompute on, off and without mHC: losses (on = off within bf16
+  noise) and peak device memory of each.
 - ``throughput``: tokens/s of the ``deepseek_v3_small`` backbone in bf16 with and without
   Engram (same backbone, batch and data), and peak GPU memory next to engram-plan's prediction
   for the same configuration (``memory_plan``: predicted / measured, recorded, not checked).
@@ -591,6 +597,78 @@ def context_parallel(ctx: Context) -> dict:
     return out
 
 
+def mhc_mapping_sync_free(ctx: Context, hidden: int = 256, tokens: int = 256) -> dict:
+    """One mapping + write-back (and the head) forward and backward, recompute on and off,
+    under ``set_sync_debug_mode("error")`` on CUDA: any host synchronisation raises. Also the
+    bytes the mapping keeps for backward per token (``benchmarks/bench_mhc_memory.py``)."""
+    from bench_mhc_memory import saved_bytes_per_token
+
+    from engram_train.models.hyper_connection import HyperConnection, HyperHead
+
+    n, dtype = 4, torch.bfloat16
+    hc = HyperConnection(hidden, n, device=ctx.device)
+    head = HyperHead(hidden, n, device=ctx.device)
+    linear = torch.nn.Linear(hidden, hidden, device=ctx.device, dtype=dtype)
+    x = torch.randn(tokens, 1, n, hidden, device=ctx.device, dtype=dtype, requires_grad=True)
+    synchronize(ctx)
+    if ctx.cuda:
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        for recompute in (True, False):
+            out = hc.sublayer(x, linear, recompute)
+            (head(out).float().square().mean() + out.float().mean()).backward()
+    finally:
+        if ctx.cuda:
+            torch.cuda.set_sync_debug_mode("default")
+    synchronize(ctx)
+    saved = {str(r): saved_bytes_per_token(n, hidden, dtype, r, ctx.device)
+             for r in (True, False)}
+    bound = (n + 1) * hidden * 2
+    check(saved["True"] <= bound, f"recomputed mapping keeps {saved['True']} B/token > {bound}")
+    return dict(sync_debug="error" if ctx.cuda else "not on CPU", hidden=hidden,
+                saved_bytes_per_token=saved, bound_bytes_per_token=bound)
+
+
+def mhc(ctx: Context) -> dict:
+    from megatron.core.utils import unwrap_model
+
+    from engram_train.training.step import train_step
+
+    out = dict(mapping=mhc_mapping_sync_free(ctx))
+    seq = SEQ_TINY if ctx.quick else 1024
+    for name, extra in (("recompute", []), ("no_recompute", ["system.recompute_modules=[]"]),
+                        ("no_mhc", ["model.enable_hyper_connections=false"])):
+        cfg, config = trainer_config(ctx, [
+            "model=deepseek_v3_tiny_mhc", "system.precision=bf16", f"train.seq_length={seq}",
+            f"model.engram_embedding_parallel_size={ctx.world}", *extra])
+        torch.manual_seed(5)
+        model, optimizer = build_trainer_parts(cfg, config, lr=3e-4)
+        mappings = {str(p.dtype) for c in unwrap_model(model) for n, p in c.named_parameters()
+                    if "_hc." in n or "hc_head." in n}
+        batches = with_hash_ids(config, synthetic_batches(2, 2, seq, 4000, seed=70 + ctx.rank))
+        if ctx.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        losses = [train_step(model, optimizer, batches, seq, 2).lm_loss for _ in range(3)]
+        synchronize(ctx)
+        out[name] = dict(losses=losses, mapping_dtypes=sorted(mappings),
+                         recompute_modules=list(config.recompute_modules or []))
+        if ctx.cuda:
+            out[name]["peak_gpu_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
+        check(all(l == l for l in losses), f"{name}: non-finite losses {losses}")
+        del model, optimizer
+        if ctx.cuda:
+            torch.cuda.empty_cache()
+    check(out["recompute"]["mapping_dtypes"] == ["torch.float32"],
+          f"mapping parameters under bf16: {out['recompute']['mapping_dtypes']}")
+    check("mhc" in out["recompute"]["recompute_modules"]
+          and "mhc" not in out["no_recompute"]["recompute_modules"],
+          "the mapping recompute is not on by default with mHC")
+    on, off = out["recompute"]["losses"], out["no_recompute"]["losses"]
+    out["recompute_loss_rel_diff"] = max(abs(a - b) / abs(b) for a, b in zip(on, off))
+    check(out["recompute_loss_rel_diff"] < 1e-2, f"recompute on {on} vs off {off}")
+    return out
+
+
 def throughput(ctx: Context) -> dict:
     from engram_train.data import HashPrefetchIterator
     from engram_train.engram.ngram_hash import NgramHashMapping
@@ -676,8 +754,11 @@ SECTIONS = [
     Section("context_parallel", "TE's CP attention + Engram's conv halo (CP = world) vs CP 1, "
             "bf16, same weights and batches: losses", needs_cuda=True, needs_te=True,
             min_world=2, budget_s=30, run=context_parallel),
+    Section("mhc", "mHC in bf16: float32 mappings, no host syncs in the mapping "
+            "(set_sync_debug_mode), saved bytes, recompute on/off/no mHC: losses, peak memory",
+            needs_cuda=False, budget_s=25, run=mhc),
     Section("throughput", "tokens/s with vs without Engram (deepseek_v3_small, bf16)",
-            needs_cuda=False, budget_s=85, run=throughput),
+            needs_cuda=False, budget_s=60, run=throughput),
 ]
 
 

@@ -15,10 +15,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from engram_train.mhc_config import HyperConnectionConfig, check_hyper_connections, require_int
+from engram_train.mhc_config import (
+    HyperConnectionConfig,
+    check_hyper_connections,
+    require_int,
+    take_mhc_recompute_module,
+)
 
 EMBEDDING_PARALLEL_METHODS = ("alltoall", "allreduce")
-TABLE_OPTIMIZERS = ("sparse_adam", "adam")
+TABLE_OPTIMIZERS = ("sparse_adam", "adam", "rowwise_adam")
+OPTIMIZER_STATE_DTYPES = ("fp32", "bf16")
 ENGRAM_TABLE_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # config value -> torch dtype name
 ENGRAM_VALUE_INITS = ("normal", "zero")
 TABLE_PLACEMENTS = ("device", "host")
@@ -33,8 +39,11 @@ CHOICES = {
         "over the tensor-parallel group (docs/embedding-parallel.md)"),
     "engram_optimizer": (
         TABLE_OPTIMIZERS,
-        "'sparse_adam' (row-wise, cost follows the tokens) or 'adam' (dense, cost follows the "
-        "table)"),
+        "'sparse_adam' (row-wise, cost follows the tokens), 'rowwise_adam' (sparse, one second "
+        "moment per row) or 'adam' (dense, cost follows the table)"),
+    "engram_optimizer_state_dtype": (
+        OPTIMIZER_STATE_DTYPES,
+        "dtype of rowwise_adam's per-element first moment"),
     "engram_table_dtype": (
         tuple(ENGRAM_TABLE_DTYPES),
         "fp32 (default) or bf16 tables with float32 optimizer masters; fp16 tables are not "
@@ -55,6 +64,8 @@ _BOOL_FIELDS = (
     "engram_reset_at_eos",
     "engram_one_row_per_head",
     "engram_freeze_tables",
+    "engram_master_weights",
+    "engram_overlap_host_update",
 )
 _INT_FIELDS = (
     "max_ngram_size",
@@ -155,6 +166,19 @@ class EngramConfig:
     """Storage dtype of the Engram tables: 'fp32' or 'bf16' (the optimizer keeps float32
     master rows for bf16 tables). The Engram projections, norms and conv follow the model's
     `params_dtype`."""
+
+    engram_master_weights: bool = True
+    """bf16 tables: keep a float32 master copy in the optimizer (True) or update the bf16 values
+    in float32 and round them back stochastically, with bits hashed from (engram_seed, step,
+    row, column) so every layout gives the same tables (False; needs rowwise_adam)."""
+
+    engram_optimizer_state_dtype: str = "fp32"
+    """dtype of rowwise_adam's per-element first moment: 'fp32' or 'bf16' (stochastically
+    rounded like the values); its second moment is one float32 per row."""
+
+    engram_overlap_host_update: bool = True
+    """Host-resident tables: run step t's table update on a host thread while step t+1 starts;
+    a lookup waits only for the rows step t is still updating (the result is bit-identical)."""
 
     engram_one_row_per_head: bool = False
     """Ablation control: every head's table is one row (every n-gram reads the same row), so the
@@ -340,6 +364,33 @@ class EngramConfig:
             raise ValueError(f"engram_weight_decay={self.engram_weight_decay} must be >= 0.")
         if not self.engram_init_std > 0:
             raise ValueError(f"engram_init_std={self.engram_init_std} must be > 0.")
+        self._check_table_precision()
+
+    def _check_table_precision(self) -> None:
+        """Master weights and the moment dtype only apply where they change something."""
+        rowwise = self.engram_optimizer == "rowwise_adam"
+        if not self.engram_master_weights:
+            if self.engram_table_dtype != "bf16":
+                raise ValueError(
+                    "engram_master_weights=false applies to bf16 tables (an fp32 table is its own "
+                    "master): set engram_table_dtype=bf16 or engram_master_weights=true."
+                )
+            if not rowwise:
+                raise ValueError(
+                    f"engram_master_weights=false needs engram_optimizer=rowwise_adam (got "
+                    f"{self.engram_optimizer!r}): it is the optimizer that rounds stochastically."
+                )
+            if self.engram_offload_embedding_optimizer_states:
+                raise ValueError(
+                    "engram_master_weights=false with engram_offload_embedding_optimizer_states: "
+                    "there is no master to offload; use engram_table_placement=host to keep the "
+                    "tables and their state in host memory."
+                )
+        if self.engram_optimizer_state_dtype != "fp32" and not rowwise:
+            raise ValueError(
+                f"engram_optimizer_state_dtype={self.engram_optimizer_state_dtype!r} needs "
+                f"engram_optimizer=rowwise_adam (got {self.engram_optimizer!r})."
+            )
 
 
 # -- composition with megatron-core ---------------------------------------------------------
@@ -375,8 +426,9 @@ def _compose(name: str, megatron_cls: type) -> type:
     megatron's fields, then mHC's (which resolve `engram_hc_mult`), then Engram's."""
 
     def __post_init__(self) -> None:
+        mhc_recompute = take_mhc_recompute_module(self)  # a name megatron-core 0.16/0.19 refuse
         megatron_cls.__post_init__(self)
-        check_hyper_connections(self)
+        check_hyper_connections(self, mhc_recompute)
         EngramConfig.__post_init__(self)
         self.validate_num_layers(self.num_layers)
         self.validate_hidden_size(self.hidden_size)

@@ -34,8 +34,42 @@ class HyperConnectionConfig:
     model without Engram computes the single-stream model's function)."""
 
 
-def check_hyper_connections(config) -> None:
-    """mHC rules, and `engram_hc_mult` resolved from the backbone (before Engram's checks)."""
+MHC_RECOMPUTE_MODULE = "mhc"
+"""The selective recompute module of the mHC mappings (upstream megatron-core's name)."""
+
+
+def take_mhc_recompute_module(config) -> bool | None:
+    """Remove ``"mhc"`` from ``recompute_modules`` before megatron's own validation (which does
+    not know it) and say whether it was asked for: ``None`` when ``recompute_modules`` is unset
+    (the default applies, ``check_hyper_connections``)."""
+    modules = config.recompute_modules
+    if modules is None:
+        return None
+    config.recompute_modules = [m for m in modules if m != MHC_RECOMPUTE_MODULE]
+    return MHC_RECOMPUTE_MODULE in modules
+
+
+def resolve_mhc_recompute(config, requested: bool | None) -> None:
+    """``"mhc"`` back in ``recompute_modules`` when the mappings are recomputed: when asked for,
+    and by default with mHC unless ``recompute_granularity`` is ``full`` (the whole layer is
+    recomputed then). Recomputing the mapping from X costs one more mapping forward per
+    sublayer and keeps X and the sublayer output instead of the float32 copies of the streams
+    and the Sinkhorn iterations (``docs/mhc.md``). ``recompute_modules`` without ``"mhc"``
+    turns it off."""
+    if requested and not config.enable_hyper_connections:
+        raise ValueError(
+            "recompute_modules contains 'mhc' but enable_hyper_connections=false: drop 'mhc' "
+            "or set enable_hyper_connections: true"
+        )
+    if requested is None:
+        requested = config.enable_hyper_connections and config.recompute_granularity != "full"
+    if requested:
+        config.recompute_modules = [*config.recompute_modules, MHC_RECOMPUTE_MODULE]
+
+
+def check_hyper_connections(config, mhc_recompute: bool | None = None) -> None:
+    """mHC rules, and `engram_hc_mult` resolved from the backbone (before Engram's checks);
+    ``mhc_recompute``: ``take_mhc_recompute_module``'s answer."""
     if not isinstance(config.enable_hyper_connections, bool):
         raise TypeError(
             f"enable_hyper_connections must be a bool, got {config.enable_hyper_connections!r}."
@@ -46,6 +80,7 @@ def check_hyper_connections(config) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"mhc_init_gating_factor must be a number, got {value!r}.")
     config.mhc_init_gating_factor = float(value)
+    resolve_mhc_recompute(config, mhc_recompute)
     streams = config.num_residual_streams if config.enable_hyper_connections else 1
     hc_mult = config.engram_hc_mult
     if config.enable_hyper_connections:

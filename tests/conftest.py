@@ -28,7 +28,7 @@ EVERY_LANE = {
     "test_patches.py",
     "test_lane_checkpoints.py",
     "test_reliability_checkpoint.py",
-    "test_hyper_connections.py",
+    "test_mhc_layouts.py",
     "test_expert_parallel_resume.py",
 }
 

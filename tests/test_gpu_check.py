@@ -14,7 +14,7 @@ from launch import REPO, free_port
 
 SCRIPT = REPO / "benchmarks" / "gpu_check.py"
 SECTIONS = ["environment", "te_spec", "nccl_embedding", "bf16_training", "prefetch", "offload",
-            "context_parallel", "throughput"]
+            "context_parallel", "mhc", "throughput"]
 
 
 def _env():
@@ -65,7 +65,7 @@ def test_cpu_sections_pass(cpu_run):
     assert status == {"environment": "ok", "te_spec": "skipped", "context_parallel": "skipped",
                       "nccl_embedding": "ok",
                       "bf16_training": "ok", "prefetch": "ok", "offload": "ok",
-                      "throughput": "ok"}, cpu_run
+                      "mhc": "ok", "throughput": "ok"}, cpu_run
     assert cpu_run["ok"] is True
 
 

@@ -87,8 +87,9 @@ def test_stage_params_add_up_to_the_model(one_rank):
 
 
 def test_engram_table_bytes_by_option(one_rank):
-    """Table, master and moments per element: fp32 4+0+8, bf16 2+4+8, offload adds a float32
-    master to fp32 tables; host placement puts all of it in host memory."""
+    """Table, master and moments per element: fp32 4+0+8, bf16 2+4+8, the 4-byte configuration
+    2+0+(2+4/16), offload adds a float32 master to fp32 tables; host placement puts all of it in
+    host memory."""
     fp32 = plan_of([]).ranks[0]
     elements = item(fp32, "engram_tables_fp32") // 4
     assert elements > 0
@@ -104,6 +105,17 @@ def test_engram_table_bytes_by_option(one_rank):
     assert {m for n, m, _, _ in host.items if n.startswith("engram_table")} == {"host"}
     dense = plan_of(["model.engram_optimizer=adam"]).ranks[0]
     assert item(dense, "engram_table_step") == 8 * elements  # a dense float32 gradient + Adam's
+    # the 4-byte configuration: bf16 value, no master, bf16 first moment, one float32 per row
+    # of 16 (the demo's row width): 2 + 0 + 2 + 4/16 bytes per element
+    four = plan_of(["model.engram_table_dtype=bf16", "model.engram_optimizer=rowwise_adam",
+                    "model.engram_master_weights=false",
+                    "model.engram_optimizer_state_dtype=bf16"]).ranks[0]
+    per_element = sum(b for n, _, _, b in four.items
+                      if n.startswith("engram_table") and n != "engram_table_step") / elements
+    assert per_element == pytest.approx(2 + 2 + 4 / 16, abs=1e-6)
+    assert all(n != "engram_table_master" for n, _, _, _ in four.items)
+    rowwise = plan_of(["model.engram_optimizer=rowwise_adam"]).ranks[0]
+    assert item(rowwise, "engram_table_moments") == int(elements * (4 + 4 / 16))
 
 
 def test_optimizer_state_is_sharded_by_the_distributed_optimizer(one_rank):

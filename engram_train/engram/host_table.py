@@ -29,21 +29,25 @@ from dataclasses import dataclass
 import torch
 
 HOST_ATTR = "engram_host_resident"
+PENDING_ATTR = "engram_pending_update"  # the rows an overlapped update is still changing
 
 
 @dataclass
 class HostTableTimes:
     """Seconds spent on host tables since the last ``reset`` (benchmarks, metrics):
     ``gather_s`` gathering rows on the host, ``copy_s`` issuing their copies to the device,
-    ``update_s`` in the host optimizer step (set by the table optimizer)."""
+    ``update_s`` in the host optimizer step (set by the table optimizer), ``wait_s`` the part
+    of it on the training thread's critical path (all of it for a synchronous update; launching
+    plus waiting for rows still in flight for an overlapped one, ``training/host_update.py``)."""
 
     gather_s: float = 0.0
     copy_s: float = 0.0
     update_s: float = 0.0
+    wait_s: float = 0.0
     rows: int = 0
 
     def reset(self) -> None:
-        self.gather_s = self.copy_s = self.update_s = 0.0
+        self.gather_s = self.copy_s = self.update_s = self.wait_s = 0.0
         self.rows = 0
 
 
@@ -81,8 +85,11 @@ def read_host_rows(weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """``weight[rows]`` of a host-resident shard, delivered on ``rows``' device (see the module
     docstring). Not differentiable by itself: the callers' autograd functions route the
     gradient rows (``engram/row_grad.py``)."""
-    start = time.perf_counter()
     host_rows = rows.to("cpu")  # the ids a CUDA caller routed; a no-op on CPU
+    pending = getattr(weight, PENDING_ATTR, None)
+    if pending is not None:  # step t's update still in flight: wait for the shared rows only
+        pending.wait_for(host_rows)
+    start = time.perf_counter()
     staging = torch.empty((host_rows.numel(), weight.shape[1]), dtype=weight.dtype,
                           pin_memory=rows.is_cuda)
     torch.index_select(weight.detach(), 0, host_rows, out=staging)
@@ -101,11 +108,26 @@ def read_host_rows(weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return values
 
 
-def host_table_bytes(num_params: int, table_dtype_bytes: int, mixed_precision: bool) -> int:
-    """Host bytes a host-resident shard of ``num_params`` needs with its Adam state: the
-    values, two float32 moments, and a float32 master for a low-precision table."""
-    per_param = table_dtype_bytes + 8 + (4 if mixed_precision else 0)
-    return num_params * per_param
+def table_bytes_per_param(table_dtype_bytes: int, *, master: bool, optimizer: str = "sparse_adam",
+                          state_dtype_bytes: int = 4, row_width: int = 1) -> float:
+    """Bytes per table parameter of a table with its optimizer state: the value, a float32
+    master (``master``), and the Adam moments: two float32 per element (``sparse_adam``,
+    ``adam``), or a first moment of ``state_dtype_bytes`` per element plus one float32 per row
+    of ``row_width`` elements (``rowwise_adam``)."""
+    if optimizer == "rowwise_adam":
+        moments = state_dtype_bytes + 4 / row_width
+    else:
+        moments = 8
+    return table_dtype_bytes + (4 if master else 0) + moments
+
+
+def host_table_bytes(num_params: int, table_dtype_bytes: int, mixed_precision: bool,
+                     **options) -> int:
+    """Host bytes a host-resident shard of ``num_params`` needs with its optimizer state (a
+    float32 master for a low-precision table when ``mixed_precision``; ``options`` as for
+    ``table_bytes_per_param``)."""
+    per_param = table_bytes_per_param(table_dtype_bytes, master=mixed_precision, **options)
+    return int(num_params * per_param)
 
 
 def available_host_bytes() -> int | None:

@@ -143,6 +143,7 @@ class MultiHeadEmbedding(nn.Module):
             make_host_resident(self.weight)
         mark_engram_param(self.weight, table=True)
         self.weight.engram_layer_id = self.layer_id  # named in the table optimizer's errors
+        self.weight.engram_row_start = self.row_start  # global row ids key stochastic rounding
         self.reset_parameters()
 
     def reset_parameters(self) -> None:

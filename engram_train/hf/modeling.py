@@ -31,7 +31,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
 from transformers import initialization as init
 
 from engram_train.engram.engram_module import Engram
-from engram_train.models.hyper_connection import HyperConnection, HyperHead
+from engram_train.models.hyper_connection import HyperConnection, HyperHead, scale_index
 from engram_train.inference.incremental_hash import (
     IncrementalNgramHasher,
     continue_document_distance,
@@ -233,8 +233,7 @@ class EngramDeepseekV3Model(DeepseekV3Model):
     def _init_weights(self, module) -> None:
         super()._init_weights(module)
         if isinstance(module, HyperConnection):  # a non-persistent constant: rebuilt after load
-            n = module.num_streams
-            init.copy_(module._logit_groups, torch.tensor([n, n, n * n]))
+            init.copy_(module._scale_index, scale_index(module.num_streams))
 
     def _engram_state(self, cache, batch: int, device) -> EngramCacheState:
         state = getattr(cache, "engram_state", None) if cache is not None else None

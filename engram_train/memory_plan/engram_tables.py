@@ -4,11 +4,13 @@ Each function answers for one option, so that a new value (a table optimizer, a 
 is one registry entry here, as it is one entry in ``training/engram_optimizer``:
 
 - ``engram_table_dtype``: bytes per table element (``TABLE_DTYPE_BYTES``);
-- ``engram_optimizer``: the persistent state per table element and the step's transient bytes
-  (``TABLE_OPTIMIZER_STATE``): both keep two float32 moments per element; ``adam`` also builds a
-  dense float32 gradient of the shard for its step, ``sparse_adam`` touches rows only;
-- a float32 master copy when the table is not float32, or with optimizer-state offload
-  (``master_bytes_per_element``);
+- ``engram_optimizer`` (with ``engram_optimizer_state_dtype``): the persistent state per table
+  element (``moment_bytes_per_element``: two float32 moments for ``adam`` and ``sparse_adam``, a
+  per-element first moment plus one float32 per row for ``rowwise_adam``) and the step's
+  transient bytes (``TABLE_OPTIMIZER_STEP``: ``adam`` builds a dense float32 gradient of the
+  shard, the sparse optimizers touch rows only);
+- a float32 master copy when the table is not float32 and ``engram_master_weights`` is on, or
+  with optimizer-state offload (``master_bytes_per_element``);
 - ``engram_table_placement`` / ``engram_offload_embedding_optimizer_states``: which memory holds
   what (``placement_of``).
 
@@ -18,27 +20,29 @@ The rows a step touches travel as (row, float32 value) pairs: gradient rows of o
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 TABLE_DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+TABLE_OPTIMIZER_STEP = {"sparse_adam": 0, "rowwise_adam": 0, "adam": 8}
+"""Transient bytes per table element during the step: ``adam``'s dense float32 gradient of the
+shard and torch Adam's temporaries; the sparse optimizers touch rows only."""
 
 
-@dataclass(frozen=True)
-class TableOptimizerState:
-    state_per_element: int  # persistent bytes per table element (the moments)
-    step_per_element: int  # transient bytes per table element during the step
+def moment_bytes_per_element(config) -> float:
+    """Persistent optimizer state per table element (``engram/host_table.table_bytes_per_param``
+    is the same rule, per parameter with the value and master)."""
+    if config.engram_optimizer != "rowwise_adam":
+        return 8.0
+    first = 2 if getattr(config, "engram_optimizer_state_dtype", "fp32") == "bf16" else 4
+    width = config.n_embed_per_ngram // config.n_head_per_ngram
+    return first + 4 / width
 
 
-TABLE_OPTIMIZER_STATE: dict[str, TableOptimizerState] = {
-    "sparse_adam": TableOptimizerState(state_per_element=8, step_per_element=0),
-    # dense float32 gradient + torch Adam's temporaries for the shard
-    "adam": TableOptimizerState(state_per_element=8, step_per_element=8),
-}
-
-
-def master_bytes_per_element(table_dtype: str, offload: bool, placement: str) -> int:
-    """A float32 master: for non-float32 tables, and with offload (device tables only)."""
-    return 4 if table_dtype != "fp32" or (offload and placement == "device") else 0
+def master_bytes_per_element(table_dtype: str, offload: bool, placement: str,
+                             master_weights: bool = True) -> int:
+    """A float32 master: for non-float32 tables unless ``engram_master_weights=false``
+    (stochastic rounding instead), and with offload (device tables only)."""
+    if table_dtype != "fp32":
+        return 4 if master_weights else 0
+    return 4 if offload and placement == "device" else 0
 
 
 def placement_of(placement: str, offload: bool) -> dict[str, str]:
@@ -47,8 +51,6 @@ def placement_of(placement: str, offload: bool) -> dict[str, str]:
         return {"table": "host", "master": "host", "moments": "host", "step": "host"}
     state = "host" if offload else "device"
     return {"table": "device", "master": state, "moments": state, "step": state}
-
-
 
 
 def table_items(config, elements: int, rows_touched: int) -> list[tuple[str, str, int]]:
@@ -61,14 +63,14 @@ def table_items(config, elements: int, rows_touched: int) -> list[tuple[str, str
     placement = config.engram_table_placement
     offload = bool(config.engram_offload_embedding_optimizer_states)
     where = placement_of(placement, offload)
-    state = TABLE_OPTIMIZER_STATE[config.engram_optimizer]
+    master_weights = bool(getattr(config, "engram_master_weights", True))
     width = config.n_embed_per_ngram // config.n_head_per_ngram
     items = [
         (f"engram_tables_{dtype}", where["table"], elements * TABLE_DTYPE_BYTES[dtype]),
-        ("engram_table_moments", where["moments"], elements * state.state_per_element),
+        ("engram_table_moments", where["moments"], int(elements * moment_bytes_per_element(config))),
         ("engram_table_master", where["master"],
-         elements * master_bytes_per_element(dtype, offload, placement)),
+         elements * master_bytes_per_element(dtype, offload, placement, master_weights)),
         ("engram_gradient_rows", "device", rows_touched * width * 4 * 2),  # rows + coalesced sums
-        ("engram_table_step", where["step"], elements * state.step_per_element),
+        ("engram_table_step", where["step"], elements * TABLE_OPTIMIZER_STEP[config.engram_optimizer]),
     ]
     return [item for item in items if item[2]]

@@ -9,8 +9,10 @@ for a row shard): ``EngramTableOptimizer`` reduces them (``training/engram_optim
 Mixed precision (``config.bf16``): every parameter is built in ``params_dtype`` (bf16), the
 Engram projections included, except the Engram tables, which keep ``engram_table_dtype``.
 megatron's ``Float16Module`` then casts the chunk's floating tensors to bf16 and the last
-stage's output to float32; the tables are held out of that cast. megatron's optimizer keeps
-float32 main parameters for the backbone (``OptimizerConfig(bf16=True)``), the table optimizer
+stage's output to float32; the tables and the mHC mappings (``keep_fp32``, as transformers keeps
+DeepSeek-V4's ``attn_hc``/``ffn_hc``/``hc_head`` in float32) are held out of that cast. megatron's optimizer keeps
+float32 main parameters for the backbone (``OptimizerConfig(bf16=True)``) and takes the float32
+mappings as its float32 parameters (no second copy; saved as float32), the table optimizer
 float32 master rows for bf16 tables. fp16 with Engram is rejected: the table optimizer has no
 loss-scaler path (an inf in a table gradient would not skip the step).
 """
@@ -79,13 +81,19 @@ def gpt_block_spec(config: Any, use_te: bool | None = None, vp_stage: int | None
     return deepseek_v3_block_spec(config, use_te=use_te, vp_stage=vp_stage)
 
 
+def _cast_exempt(param: torch.nn.Parameter) -> bool:
+    """Parameters that keep their dtype under bf16/fp16: the Engram tables
+    (``engram_table_dtype``) and the float32 mHC mappings (``keep_fp32``)."""
+    return getattr(param, "is_engram_table", False) or getattr(param, "keep_fp32", False)
+
+
 @contextlib.contextmanager
 def _engram_tables_held_out(chunks: list[torch.nn.Module], host_only: bool = False
                             ) -> Iterator[None]:
-    """Float16Module casts every floating parameter of its module; the Engram tables keep their
-    own dtype (``engram_table_dtype``). They are taken out of their modules' parameter dicts
-    for the cast (no copy, no round trip through bf16) and put back unchanged. With
-    ``host_only``, only host-resident tables are held out (of the move to the GPU)."""
+    """Float16Module casts every floating parameter of its module; the Engram tables and the
+    mHC mappings keep their own dtype (``_cast_exempt``). They are taken out of their modules'
+    parameter dicts for the cast (no copy, no round trip through bf16) and put back unchanged.
+    With ``host_only``, only host-resident tables are held out (of the move to the GPU)."""
     from engram_train.engram.host_table import is_host_resident
 
     held = []
@@ -94,7 +102,9 @@ def _engram_tables_held_out(chunks: list[torch.nn.Module], host_only: bool = Fal
             for name, param in list(module._parameters.items()):
                 if host_only and (param is None or not is_host_resident(param)):
                     continue
-                if param is not None and getattr(param, "is_engram_table", False):
+                if param is not None and (
+                    getattr(param, "is_engram_table", False) if host_only else _cast_exempt(param)
+                ):
                     held.append((module, name, param))
                     module._parameters[name] = None
     try:

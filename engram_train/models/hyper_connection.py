@@ -19,6 +19,7 @@ import math
 
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 HC_EPS = 1e-6
 """``eps_hc``: added to H_pre, C and the Sinkhorn denominators (DeepSeek-V4)."""
@@ -75,6 +76,7 @@ class _SinkhornProjection(torch.autograd.Function):
         return _tokens_first(c, logits.shape)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad: torch.Tensor):
         p, *steps = ctx.saved_tensors
         dims = _sinkhorn_steps(ctx.iterations)
@@ -105,11 +107,126 @@ def _check_streams(x: torch.Tensor, num_streams: int, hidden_size: int, who: str
         )
 
 
+def scale_index(num_streams: int, device=None) -> torch.Tensor:
+    """Which of ``scale``'s three entries gates each of the ``(2+n)n`` mapping logits: a
+    precomputed index (a ``repeat_interleave`` with a tensor of repeats would wait for the
+    device to learn the output size)."""
+    n = num_streams
+    return torch.tensor([0] * n + [1] * n + [2] * n * n, device=device)
+
+
+def mixing_weights(h_post: torch.Tensor, c: torch.Tensor, dtype: torch.dtype
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The write-back weights in the model dtype: ``H_post`` and ``C - I``."""
+    eye = torch.eye(c.shape[-1], dtype=c.dtype, device=c.device)
+    return h_post.to(dtype), (c - eye).to(dtype)
+
+
+def mix_streams(x: torch.Tensor, y: torch.Tensor, h_post: torch.Tensor, c: torch.Tensor
+                ) -> torch.Tensor:
+    """``X'[k] = H_post[k] y + sum_j C[j, k] X[j]`` in X's dtype, written as
+    ``X + H_post y + (C - I)^T X``: ``C - I`` is small near the identity, so its bf16 rounding
+    keeps C's row and column sums (the ~0.999 diagonal of C itself rounds to 1.0 in bf16, and
+    the residual would grow by ~0.1% per sublayer)."""
+    n, h = x.shape[2], x.shape[3]
+    h_post, d = mixing_weights(h_post, c, x.dtype)
+    y = y.to(x.dtype)
+    out = torch.addcmul(x, h_post.unsqueeze(-1), y.unsqueeze(-2))
+    if x.is_cuda or h >= BATCHED_MIX_MIN_HIDDEN:  # one batched [n, n] @ [n, h] per token
+        return out + torch.matmul(d.transpose(-1, -2), x)
+    for j in range(n):  # n broadcast multiply-adds: faster than the GEMMs for small h on CPU
+        out = torch.addcmul(out, d[..., j, :].unsqueeze(-1), x[:, :, j : j + 1])
+    return out
+
+
+class _MappingState:
+    """What the two halves of a recomputed sublayer hand each other: the forward's ``H_post``
+    and ``C`` (collapse -> write-back, dropped once used) and the backward's recomputed mapping
+    and its output gradients (write-back -> collapse), so the mapping runs once in the forward
+    and once more in the backward."""
+
+    __slots__ = ("h_post", "c", "graph", "grads")
+
+    def __init__(self) -> None:
+        self.h_post = self.c = self.graph = self.grads = None
+
+
+def _recompute_mapping(hc: "HyperConnection", x: torch.Tensor, params) -> tuple:
+    """The mapping from X again, with its graph: ``(leaves, (h_pre, h_post, c))``."""
+    with torch.enable_grad():
+        leaves = [x.detach().requires_grad_()] + [p.detach().requires_grad_() for p in params]
+        return leaves, hc.mapping(*leaves)
+
+
+class _CollapseRecomputed(torch.autograd.Function):
+    """``u = sum_j H_pre[j] X[j]`` saving only X (and the parameters): the backward recomputes
+    the mapping (norm, logits, gates, Sinkhorn) and back-propagates the gradients of all three
+    mappings, ``H_post`` and ``C``'s handed over by ``_WriteBackRecomputed``."""
+
+    @staticmethod
+    def forward(ctx, x, fn, base, scale, hc, state):
+        with torch.no_grad():
+            h_pre, state.h_post, state.c = hc.mapping(x, fn, base, scale)
+            u = weighted_stream_sum(h_pre.to(x.dtype), x)
+        ctx.save_for_backward(x, fn, base, scale)
+        ctx.hc, ctx.state = hc, state
+        return u
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_u):
+        x, *params = ctx.saved_tensors
+        state = ctx.state
+        leaves, (h_pre, h_post, c) = state.graph or _recompute_mapping(ctx.hc, x, params)
+        state.graph = None
+        grad_u = grad_u.to(x.dtype)
+        grad_x = h_pre.detach().to(x.dtype).unsqueeze(-1) * grad_u.unsqueeze(2)
+        outputs, grads = [h_pre], [(grad_u.unsqueeze(2) * x).sum(-1).float()]
+        if state.grads is not None:
+            outputs += [h_post, c]
+            grads += state.grads
+            state.grads = None
+        mapped = torch.autograd.grad(outputs, leaves, grads, allow_unused=True)
+        grad_x = grad_x + mapped[0].to(x.dtype)
+        return (grad_x, *mapped[1:], None, None)
+
+
+class _WriteBackRecomputed(torch.autograd.Function):
+    """``mix_streams`` saving only X and y: the backward recomputes the mapping once (kept for
+    ``_CollapseRecomputed``'s backward, which runs next), and writes the mix's gradients by
+    hand (the ones autograd forms for ``mix_streams``)."""
+
+    @staticmethod
+    def forward(ctx, x, y, hc, state):
+        with torch.no_grad():
+            out = mix_streams(x, y, state.h_post, state.c)
+        state.h_post = state.c = None
+        ctx.save_for_backward(x, y)
+        ctx.hc, ctx.state = hc, state
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        x, y = ctx.saved_tensors
+        hc, state = ctx.hc, ctx.state
+        state.graph = _recompute_mapping(hc, x, (hc.fn, hc.base, hc.scale))
+        _, (_, h_post, c) = state.graph
+        dtype = x.dtype
+        grad = grad.to(dtype)
+        hp, d = mixing_weights(h_post.detach(), c.detach(), dtype)
+        grad_x = grad + torch.matmul(d, grad)  # dX[j] = g[j] + sum_k (C - I)[j, k] g[k]
+        grad_y = (hp.unsqueeze(-1) * grad).sum(2)
+        state.grads = [(grad * y.to(dtype).unsqueeze(2)).sum(-1).float(),
+                       torch.matmul(x, grad.transpose(-1, -2)).float()]
+        return grad_x, grad_y.to(y.dtype), None, None
+
+
 class HyperConnection(nn.Module):
     """The mapping around one sublayer: ``forward(X)`` gives the sublayer's input ``u`` and
     the write-back weights ``H_post``, ``C``; ``mix(X, y, H_post, C)`` applies them to the
-    sublayer's output ``y``. The sublayer itself (norm + attention or MLP) runs in between,
-    unchanged."""
+    sublayer's output ``y``. ``sublayer(X, f, recompute)`` runs both around ``f``; with
+    ``recompute`` only X and y are kept for the backward (the mapping is recomputed from X)."""
 
     def __init__(self, hidden_size: int, num_streams: int, sinkhorn_iterations: int = 20,
                  eps: float = HC_EPS, norm_eps: float = 1e-6, device=None,
@@ -127,8 +244,7 @@ class HyperConnection(nn.Module):
         self.fn = nn.Parameter(torch.empty((2 + n) * n, n * hidden_size, **factory))
         self.base = nn.Parameter(torch.empty((2 + n) * n, **factory))
         self.scale = nn.Parameter(torch.empty(3, **factory))
-        self.register_buffer("_logit_groups", torch.tensor([n, n, n * n], device=device),
-                             persistent=False)
+        self.register_buffer("_scale_index", scale_index(n, device), persistent=False)
         self.reset_parameters()
 
     @torch.no_grad()
@@ -143,39 +259,39 @@ class HyperConnection(nn.Module):
         off_diagonal = 1 - torch.eye(n, device=b_res.device)
         b_res.copy_(RESIDUAL_OFF_DIAGONAL_BIAS * off_diagonal.flatten())
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``X [s, b, n, h]`` -> ``(u [s, b, h] in X's dtype, H_post [s, b, n], C [s, b, n, n])``,
-        the last two in float32."""
-        _check_streams(x, self.num_streams, self.hidden_size, "HyperConnection")
+    def mapping(self, x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor,
+                scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(H_pre [s, b, n], H_post [s, b, n], C [s, b, n, n])`` in float32 from X and the
+        given parameters (the module's, or their recompute leaves)."""
         s, b, n, h = x.shape
         r = unweighted_rms_norm(x.reshape(s, b, n * h).float(), self.norm_eps)
         # scale[0] on the n pre logits, scale[1] on the n post logits, scale[2] on the n*n
         # mixing logits: one multiply-add for all (fewer small ops: this runs per sublayer)
-        scales = self.scale.float().repeat_interleave(self._logit_groups)
-        z = torch.addcmul(self.base.float(), nn.functional.linear(r, self.fn.float()), scales)
+        scales = scale.float().index_select(0, self._scale_index)
+        z = torch.addcmul(base.float(), nn.functional.linear(r, fn.float()), scales)
         gates = torch.sigmoid(z[..., : 2 * n])
-        h_pre = gates[..., :n] + self.eps
-        h_post = 2 * gates[..., n:]
         c = sinkhorn(z[..., 2 * n :].view(s, b, n, n), self.sinkhorn_iterations, self.eps)
+        return gates[..., :n] + self.eps, 2 * gates[..., n:], c
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``X [s, b, n, h]`` -> ``(u [s, b, h] in X's dtype, H_post [s, b, n], C [s, b, n, n])``,
+        the last two in float32."""
+        _check_streams(x, self.num_streams, self.hidden_size, "HyperConnection")
+        h_pre, h_post, c = self.mapping(x, self.fn, self.base, self.scale)
         return weighted_stream_sum(h_pre.to(x.dtype), x), h_post, c
 
-    @staticmethod
-    def mix(x: torch.Tensor, y: torch.Tensor, h_post: torch.Tensor, c: torch.Tensor
-            ) -> torch.Tensor:
-        """``X'[k] = H_post[k] y + sum_j C[j, k] X[j]``, in X's dtype: ``[s, b, n, h]``."""
-        dtype = x.dtype
-        s, b, n, h = x.shape
-        c, h_post, y = c.to(dtype), h_post.to(dtype), y.to(dtype)
-        if x.is_cuda or h >= BATCHED_MIX_MIN_HIDDEN:
-            # one batched GEMM per token: [H_post | C^T] ([n, n+1]) @ [y; X] ([n+1, h])
-            weights = torch.cat([h_post.unsqueeze(-1), c.transpose(-1, -2)], dim=-1)
-            rows = torch.cat([y.unsqueeze(2), x], dim=2)
-            return torch.bmm(weights.reshape(s * b, n, n + 1),
-                             rows.reshape(s * b, n + 1, h)).view(s, b, n, h)
-        out = h_post.unsqueeze(-1) * y.unsqueeze(-2)
-        for j in range(n):  # n broadcast multiply-adds: faster than the GEMMs for small h on CPU
-            out = torch.addcmul(out, c[..., j, :].unsqueeze(-1), x[:, :, j : j + 1])
-        return out
+    mix = staticmethod(mix_streams)
+
+    def sublayer(self, x: torch.Tensor, function, recompute: bool = False) -> torch.Tensor:
+        """``X' = mix(X, function(u), H_post, C)``; with ``recompute`` the backward keeps X and
+        y only and recomputes the mapping from X (the same numbers)."""
+        if not recompute or not torch.is_grad_enabled():
+            u, h_post, c = self(x)
+            return self.mix(x, function(u), h_post, c)
+        _check_streams(x, self.num_streams, self.hidden_size, "HyperConnection")
+        state = _MappingState()
+        u = _CollapseRecomputed.apply(x, self.fn, self.base, self.scale, self, state)
+        return _WriteBackRecomputed.apply(x, function(u), self, state)
 
 
 class HyperHead(nn.Module):

@@ -8,7 +8,9 @@ MoE included) on the collapsed input ``u`` of its ``HyperConnection`` (``attn_hc
 overridden; it tracks megatron-core 0.16.1 / 0.19.2 ``TransformerLayer._forward_attention`` /
 ``_forward_mlp`` (same submodule calls, minus the inference-only fused paths, cross attention,
 and the activation-offload hooks). Under selective recompute, megatron's ``core_attn`` and MoE
-recompute stay inside the modules; ``mlp`` is recomputed here as megatron does it.
+recompute stay inside the modules; ``mlp`` is recomputed here as megatron does it, and ``mhc``
+(in ``recompute_modules``, upstream's name; on by default with mHC, ``mhc_config.py``) keeps
+only each sublayer's X and output for the backward and recomputes the mapping from X.
 
 With sequence parallelism the streams are ``[s/tp, b, n*h]``: the mappings see this rank's
 tokens, so their parameters carry ``sequence_parallel`` and megatron's gradient finalization
@@ -34,6 +36,15 @@ def mark_sequence_parallel(module: torch.nn.Module, sequence_parallel: bool) -> 
         setattr(param, "sequence_parallel", bool(sequence_parallel))
 
 
+def keep_float32(module: torch.nn.Module) -> None:
+    """The mappings stay float32 under bf16/fp16, parameters, gradients and optimizer state
+    (DeepSeek-V4 keeps them in float32): ``models/builder.py`` holds parameters marked
+    ``keep_fp32`` out of ``Float16Module``'s cast, and megatron's optimizers then take them
+    as float32 parameters."""
+    for param in module.parameters():
+        setattr(param, "keep_fp32", True)
+
+
 def parameter_device(config):
     """Where megatron puts a module's parameters: the default device with
     ``use_cpu_initialization`` (the CPU, or the meta device of a parameter count), else CUDA."""
@@ -50,6 +61,7 @@ def build_hyper_connection(config) -> HyperConnection:
         hc.reset_parameters(gating_factor=config.mhc_init_gating_factor,
                             std=config.init_method_std)
     mark_sequence_parallel(hc, config.sequence_parallel)
+    keep_float32(hc)
     return hc
 
 
@@ -67,6 +79,7 @@ class HyperConnectionTransformerLayer(TransformerLayer):
         if not config.enable_hyper_connections:
             raise ValueError("HyperConnectionTransformerLayer needs enable_hyper_connections=true")
         self.num_streams = config.num_residual_streams
+        self.recompute_mhc = "mhc" in (config.recompute_modules or [])
         self.attn_hc = build_hyper_connection(config)
         self.ffn_hc = build_hyper_connection(config)
 
@@ -76,11 +89,11 @@ class HyperConnectionTransformerLayer(TransformerLayer):
                             "(as megatron's TransformerBlock passes them)")
         kwargs.pop("dynamic_inference_decode_only", None)
         streams = split_streams(hidden_states, self.num_streams)
-        u, h_post, mixing = self.attn_hc(streams)
-        streams = self.attn_hc.mix(streams, self._attention(u, kwargs), h_post, mixing)
-        u, h_post, mixing = self.ffn_hc(streams)
-        streams = self.ffn_hc.mix(streams, self._mlp(u, kwargs.get("padding_mask")), h_post,
-                                  mixing)
+        streams = self.attn_hc.sublayer(streams, lambda u: self._attention(u, kwargs),
+                                        self.recompute_mhc)
+        streams = self.ffn_hc.sublayer(
+            streams, lambda u: self._mlp(u, kwargs.get("padding_mask")), self.recompute_mhc
+        )
         output = streams.reshape(hidden_states.shape)
         output = make_viewless_tensor(inp=output, requires_grad=output.requires_grad,
                                       keep_graph=True)

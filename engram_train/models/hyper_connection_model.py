@@ -25,6 +25,7 @@ from megatron.core.utils import WrappedTensor, make_viewless_tensor
 from engram_train.models.engram_gpt import EngramGPTModel
 from engram_train.models.hyper_connection import HyperHead
 from engram_train.models.hyper_connection_layer import (
+    keep_float32,
     mark_sequence_parallel,
     parameter_device,
     split_streams,
@@ -61,6 +62,7 @@ class HyperConnectionModelMixin:
                 head.reset_parameters(gating_factor=config.mhc_init_gating_factor,
                                       std=config.init_method_std)
             mark_sequence_parallel(head, config.sequence_parallel)
+            keep_float32(head)
             self.decoder.hc_head = head
             self.decoder.final_layernorm.register_forward_pre_hook(
                 lambda norm, args: _collapse_before_norm(self.decoder.hc_head, norm, args)

@@ -212,7 +212,7 @@ PATCHES: tuple[Patch, ...] = (
         "residual streams ([s, b, n*h], as upstream megatron-core's mHC after 0.19 does). The "
         "schedules are given seq_length x n when the model enables hyper connections "
         "(models/hyper_connection_model.py reads the buffers as [s, b, n*h]).",
-        verify="ENGRAM_DISABLE_PATCHES=mhc_pipeline_shapes: tests/test_hyper_connections.py's "
+        verify="ENGRAM_DISABLE_PATCHES=mhc_pipeline_shapes: tests/test_mhc_layouts.py's "
         "pipeline layouts fail with 'is not a [n*s, b, h] mHC buffer'",
         apply=megatron_fixes.pipeline_shapes_for_hyper_connections,
         needed=megatron_fixes.no_upstream_hyper_connections,

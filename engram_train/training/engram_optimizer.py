@@ -75,7 +75,9 @@ from engram_train.engram.host_table import HOST_TABLE_TIMES, is_host_resident
 from engram_train.engram.row_grad import arm_row_sparse_grad
 from engram_train.parallel.row_grad_sync import RowGradSyncStats, sync_row_grads
 from engram_train.runtime.distributed import device as runtime_device
-from engram_train.training.sparse_adam import RowSparseAdam
+from engram_train.training.host_update import OverlappedHostUpdate
+from engram_train.training.rowwise_adam import RowwiseAdam
+from engram_train.training.sparse_adam import RowOptimizer, RowSparseAdam
 
 
 def engram_table_param_group(opt_config: OptimizerConfig, model_config: Any) -> dict:
@@ -103,13 +105,23 @@ def engram_table_param_group(opt_config: OptimizerConfig, model_config: Any) -> 
     }
 
 
-def _row_sparse_adam(group: dict, config: OptimizerConfig, offload: bool) -> torch.optim.Optimizer:
+def _row_sparse_adam(group: dict, config: OptimizerConfig, offload: bool,
+                     **options) -> torch.optim.Optimizer:
     """``sparse_adam``: lazy row-wise Adam (``sparse_adam.py``), a step costs the rows touched."""
     return RowSparseAdam([group], lr=group["lr"], betas=(config.adam_beta1, config.adam_beta2),
                          eps=config.adam_eps, weight_decay=group["weight_decay"])
 
 
-def _dense_adam(group: dict, config: OptimizerConfig, offload: bool) -> torch.optim.Optimizer:
+def _rowwise_adam(group: dict, config: OptimizerConfig, offload: bool, *, state_dtype: str = "fp32",
+                  seed: int = 0) -> torch.optim.Optimizer:
+    """``rowwise_adam``: sparse Adam with one second moment per row (``rowwise_adam.py``)."""
+    return RowwiseAdam([group], lr=group["lr"], betas=(config.adam_beta1, config.adam_beta2),
+                       eps=config.adam_eps, weight_decay=group["weight_decay"],
+                       state_dtype=state_dtype, seed=seed)
+
+
+def _dense_adam(group: dict, config: OptimizerConfig, offload: bool,
+                **options) -> torch.optim.Optimizer:
     """``adam``: torch's dense Adam(W), a step costs the whole table (the reference)."""
     adam_cls = torch.optim.AdamW if config.decoupled_weight_decay else torch.optim.Adam
     return adam_cls(
@@ -122,7 +134,11 @@ def _dense_adam(group: dict, config: OptimizerConfig, offload: bool) -> torch.op
 
 
 # ``engram_optimizer`` -> the torch optimizer stepping the tables (names: config.TABLE_OPTIMIZERS)
-TABLE_OPTIMIZER_BUILDERS = {"sparse_adam": _row_sparse_adam, "adam": _dense_adam}
+TABLE_OPTIMIZER_BUILDERS = {"sparse_adam": _row_sparse_adam, "adam": _dense_adam,
+                            "rowwise_adam": _rowwise_adam}
+# Optimizer-state layouts: a checkpoint resumes only into an optimizer of the same layout.
+ROWWISE_STATE = "rowwise"
+ELEMENTWISE_STATE = "elementwise"
 
 
 class EngramTableOptimizer(MegatronOptimizer):
@@ -146,6 +162,10 @@ class EngramTableOptimizer(MegatronOptimizer):
         offload_states: bool = False,
         *,
         table_optimizer: str,
+        master_weights: bool = True,
+        state_dtype: str = "fp32",
+        seed: int = 0,
+        overlap_host_update: bool = False,
     ) -> None:
         if config.fp16:
             raise NotImplementedError(
@@ -165,12 +185,18 @@ class EngramTableOptimizer(MegatronOptimizer):
         self.grad_sync_group = grad_sync_group
         self.grad_stats_parallel_group = norm_group
         self.table_optimizer = table_optimizer
-        self.sparse = table_optimizer == "sparse_adam"  # the config validated the name
+        self.sparse = table_optimizer != "adam"  # the config validated the name
         self.num_steps = 0
-        self.mixed_precision = any(p.dtype != torch.float32 for p in self.model_params)
+        # float32 masters of low-precision tables (none with master_weights=False: the
+        # optimizer rounds the bf16 values stochastically itself)
+        self.mixed_precision = master_weights and any(
+            p.dtype != torch.float32 for p in self.model_params)
         # Host-resident tables keep their state in host memory already: offload adds nothing.
         self.host_tables = any(is_host_resident(p) for p in self.model_params)
         self.offload = bool(offload_states) and not self.host_tables
+        self.overlap = (self.host_tables and overlap_host_update and self.sparse
+                        and all(p.device.type == "cpu" for p in self.model_params))
+        self.host_update = OverlappedHostUpdate() if self.overlap else None
         self.accumulators = [arm_row_sparse_grad(p) for p in self.model_params]
         self._row_grads: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self._carriers: list[torch.Tensor] = []
@@ -180,7 +206,8 @@ class EngramTableOptimizer(MegatronOptimizer):
         else:
             self.main_params = self.model_params
         group = dict(param_group, params=self.main_params)
-        optimizer = TABLE_OPTIMIZER_BUILDERS[table_optimizer](group, config, self.offload)
+        optimizer = TABLE_OPTIMIZER_BUILDERS[table_optimizer](
+            group, config, self.offload, state_dtype=state_dtype, seed=seed)
         super().__init__(optimizer, config, init_state_fn=self._init_state)
         self.is_stub_optimizer = False
         self._scale = torch.ones(1, dtype=torch.float32, device=runtime_device())
@@ -194,7 +221,11 @@ class EngramTableOptimizer(MegatronOptimizer):
         device = "cpu" if offload else param.device
         master = torch.empty(param.shape, dtype=torch.float32, device=device, pin_memory=pin)
         master.copy_(param.detach())
-        return torch.nn.Parameter(master)
+        master = torch.nn.Parameter(master)
+        for name in ("engram_layer_id", "engram_row_start"):  # they key stochastic rounding
+            if hasattr(param, name):
+                setattr(master, name, getattr(param, name))
+        return master
 
     # -- gradients -----------------------------------------------------------------------
 
@@ -295,26 +326,65 @@ class EngramTableOptimizer(MegatronOptimizer):
             grads = [(torch.empty(0, dtype=torch.int64, device=p.device),
                       torch.empty((0, p.shape[1]), device=p.device)) for p in self.model_params]
         start = time.perf_counter()
-        if self.sparse:
+        if self.overlap:
+            self._launch_overlapped_step(grads)
+            HOST_TABLE_TIMES.wait_s += time.perf_counter() - start
+        elif self.sparse:
             self._sparse_step(grads)
         else:
             self._dense_step(grads)
-        if self.host_tables:
-            HOST_TABLE_TIMES.update_s += time.perf_counter() - start
+        if self.host_tables and not self.overlap:
+            elapsed = time.perf_counter() - start
+            HOST_TABLE_TIMES.update_s += elapsed
+            HOST_TABLE_TIMES.wait_s += elapsed  # synchronous: all of it on the critical path
         self.num_steps += 1
         return True
 
     def _sparse_step(self, grads) -> None:
-        """Lazy Adam on the touched rows of the masters; those rows are copied to the table."""
+        """Row-sparse Adam on the touched rows of the masters; those rows are copied to the
+        table."""
         master_grads = [(rows.to(main.device), values.to(main.device))
                         for (rows, values), main in zip(grads, self.main_params)]
         self.optimizer.step_rows(master_grads)
-        for param, main, (rows, _), (master_rows, _) in zip(
-            self.model_params, self.main_params, grads, master_grads
-        ):
-            if main is not param and rows.numel():
-                updated = main.data.index_select(0, master_rows).to(param.dtype)
-                param.data.index_copy_(0, rows.to(param.device), updated.to(param.device))
+        for index, (rows, _) in enumerate(master_grads):
+            self._copy_master_rows(index, rows)
+
+    def _copy_master_rows(self, index: int, rows: torch.Tensor) -> None:
+        param, main = self.model_params[index], self.main_params[index]
+        if main is not param and rows.numel():
+            updated = main.data.index_select(0, rows.to(main.device)).to(param.dtype)
+            param.data.index_copy_(0, rows.to(param.device), updated.to(param.device))
+
+    def _launch_overlapped_step(self, grads) -> None:
+        """Host tables: the step count and hyper-parameters advance now, the rows are updated
+        by the host thread (``training/host_update.py``) while the next step starts."""
+        self.host_update.finish()
+        plans = self.optimizer.begin_step()
+        host = [(rows.to("cpu"), values.to("cpu")) for rows, values in grads]
+        # row id -> its gradient row, for any part of the rows (a search, nothing table-sized)
+        sorted_rows = [torch.sort(rows) for rows, _ in host]
+        optimizer: RowOptimizer = self.optimizer
+
+        def update(index: int, rows: torch.Tensor) -> None:
+            ordered, order = sorted_rows[index]
+            at = order[torch.searchsorted(ordered, rows)]
+            values = host[index][1].index_select(0, at)
+            optimizer.update_rows(self.main_params[index], rows, values, plans[index])
+            self._copy_master_rows(index, rows)
+
+        self.host_update.launch(self.model_params, [rows for rows, _ in host], update)
+
+    def prioritize_rows(self, rows_per_table: list[torch.Tensor | None]) -> None:
+        """Shard-local rows of each table the next step will read (None: unknown): an
+        overlapped host update changes them first, so the next lookups wait least."""
+        if self.overlap:
+            self.host_update.prioritize(rows_per_table)
+
+    def finish_update(self) -> None:
+        """Wait for an overlapped host update in flight (no-op otherwise): call before reading
+        tables or optimizer state as a whole."""
+        if self.host_update is not None:
+            self.host_update.finish()
 
     def _dense_step(self, grads) -> None:
         """Dense Adam: every row of every shard moves (momentum keeps untouched rows going)."""
@@ -354,7 +424,9 @@ class EngramTableOptimizer(MegatronOptimizer):
         """Adam state for every parameter (so a checkpoint can be loaded into it)."""
         for group in optimizer.param_groups:
             for p in group["params"]:
-                if len(optimizer.state[p]) == 0:
+                if isinstance(optimizer, RowOptimizer):
+                    optimizer.init_state(p)
+                elif len(optimizer.state[p]) == 0:
                     optimizer.state[p]["step"] = torch.zeros((), dtype=torch.float32)
                     optimizer.state[p]["exp_avg"] = torch.zeros_like(p.data)
                     optimizer.state[p]["exp_avg_sq"] = torch.zeros_like(p.data)
@@ -369,9 +441,16 @@ class EngramTableOptimizer(MegatronOptimizer):
         if not self.offload:
             super().restore_from_cpu()
 
+    @property
+    def state_layout(self) -> str:
+        """``rowwise`` (rowwise_adam: a second moment per row) or ``elementwise`` (sparse_adam
+        and adam: interchangeable dense moments)."""
+        return ROWWISE_STATE if isinstance(self.optimizer, RowwiseAdam) else ELEMENTWISE_STATE
+
     def state_dict(self) -> dict:
         # Same keys with and without offload: a float32 table's master is the table itself
         # (no offload) or an exact copy of it (offload), so only bf16 masters are saved.
+        self.finish_update()
         return {
             "optimizer": self.optimizer.state_dict(),
             "fp32_main_params": self.main_params if self.mixed_precision else None,
@@ -382,6 +461,7 @@ class EngramTableOptimizer(MegatronOptimizer):
                            metadata: dict | None = None) -> dict:
         """Adam moments (and float32 main copies) as ShardedTensors shaped like their table's:
         global rows, same replica ids, so they reshard with it. The step count is common."""
+        self.finish_update()
         if is_loading:
             self._init_state(self.optimizer)
         state = self.state_dict()
@@ -393,7 +473,12 @@ class EngramTableOptimizer(MegatronOptimizer):
             raise RuntimeError(
                 f"Engram tables {missing} of this rank are not in the model's sharded state dict"
             )
+        row_moments = {i: s.pop("exp_avg_sq_row") for i, s in state["optimizer"]["state"].items()
+                       if "exp_avg_sq_row" in s}
         optim_state_to_sharding_state(state["optimizer"], id_to_sharded, exclude_keys=("step",))
+        for i, row_moment in row_moments.items():
+            state["optimizer"]["state"][i]["exp_avg_sq_row"] = _row_vector_sharded(
+                id_to_sharded[i], row_moment, "optimizer.state.exp_avg_sq_row")
         if self.mixed_precision:
             state["fp32_main_params"] = [
                 make_sharded_optimizer_tensor(id_to_sharded[i], main, "optimizer.state.fp32_param")
@@ -402,6 +487,7 @@ class EngramTableOptimizer(MegatronOptimizer):
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
+        self.finish_update()
         optimizer_state = state_dict["optimizer"]
         num_steps = int(state_dict.get("num_steps", 0))
         for param_state in optimizer_state["state"].values():
@@ -418,3 +504,20 @@ class EngramTableOptimizer(MegatronOptimizer):
         else:  # float32 tables (or a checkpoint without masters): the model was loaded first
             self._refresh_masters_from_model()
         self.num_steps = num_steps
+
+
+def _row_vector_sharded(model_param, row_vector: torch.Tensor, prefix: str):
+    """A per-row optimizer vector [rows] as a ShardedTensor [rows, 1] placed like its table's
+    rows (so it reshards with the table)."""
+    from dataclasses import replace
+
+    fragments = model_param.axis_fragmentations
+    sharded = replace(
+        model_param, key=f"{prefix}.{model_param.key}", data=row_vector.view(-1, 1),
+        dtype=row_vector.dtype, local_shape=(model_param.local_shape[0], 1),
+        global_shape=(model_param.global_shape[0], 1),
+        global_offset=(model_param.global_offset[0], 0),
+        axis_fragmentations=None if fragments is None else (fragments[0], 1),
+    )
+    sharded.validate_metadata_integrity()
+    return sharded

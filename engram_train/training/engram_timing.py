@@ -8,7 +8,10 @@
 With prefetch on, ``1 - engram_wait_s / engram_lookup_s`` of a run with prefetch off is the
 hidden fraction.
 - ``engram_host_gather_s`` / ``engram_host_update_s`` (host-resident tables only): gathering
-  rows on the host and their copies to the device, and the host optimizer step.
+  rows on the host and their copies to the device, and the host optimizer step;
+  ``engram_host_update_critical_s`` the part of that step the training thread waited for (all
+  of it when synchronous; launching it and waiting for shared rows when overlapped,
+  ``training/host_update.py``).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ class EngramStepTimes:
             out["engram_host_gather_s"] = (HOST_TABLE_TIMES.gather_s
                                            + HOST_TABLE_TIMES.copy_s) / steps
             out["engram_host_update_s"] = HOST_TABLE_TIMES.update_s / steps
+            out["engram_host_update_critical_s"] = HOST_TABLE_TIMES.wait_s / steps
         LOOKUP_TIMES.reset()
         HOST_TABLE_TIMES.reset()
         return out

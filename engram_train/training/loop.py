@@ -169,6 +169,11 @@ def _say_exit(job: Job, progress: Progress, stop) -> None:
         log.warning("%s: %s; exiting", reason, saved)
 
 
+def _overlaps_host_update(optimizer) -> bool:
+    """Whether a part of ``optimizer`` (a chain or itself) overlaps a host table update."""
+    return any(getattr(part, "overlap", False) for part in getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
 def train(job: Job, progress: Progress) -> dict:
     """The optimizer steps, logging, evaluation and checkpoints; returns the last record."""
     t, c = job.cfg.train, job.cfg.checkpoint
@@ -179,10 +184,18 @@ def train(job: Job, progress: Progress) -> dict:
     window = _Window(EngramStepTimes(train_iter) if job.hash_fn is not None else None)
     last: dict = {}
     stop, abnormal = None, False
+    # An overlapped host table update changes the rows the next step reads first: it needs
+    # that step's micro-batches (hash ids included) before this step's optimizer step.
+    look_ahead = _overlaps_host_update(job.optimizer)
+    upcoming = None
     try:
         while progress.iteration < t.train_iters:
-            microbatches = [next(train_iter) for _ in range(job.num_micro)]
-            result = train_step(job.model, guarded, microbatches, t.seq_length, t.micro_batch_size, job.scheduler)
+            microbatches = upcoming or [next(train_iter) for _ in range(job.num_micro)]
+            upcoming = None
+            if look_ahead and progress.iteration + 1 < t.train_iters:
+                upcoming = [next(train_iter) for _ in range(job.num_micro)]
+            result = train_step(job.model, guarded, microbatches, t.seq_length, t.micro_batch_size,
+                                job.scheduler, next_microbatches=upcoming)
             progress.iteration += 1
             progress.consumed += t.global_batch_size
             window.steps += 1

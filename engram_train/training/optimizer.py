@@ -53,6 +53,10 @@ def build_optimizer(opt_config: OptimizerConfig, model_chunks: list, model_confi
         table_optimizer=model_config.engram_optimizer,
         calculate_per_token_loss=model_config.calculate_per_token_loss,
         offload_states=model_config.engram_offload_embedding_optimizer_states,
+        master_weights=model_config.engram_master_weights,
+        state_dtype=model_config.engram_optimizer_state_dtype,
+        seed=model_config.engram_seed,
+        overlap_host_update=model_config.engram_overlap_host_update,
     )
     parts = (
         megatron_optimizer.chained_optimizers

@@ -14,7 +14,11 @@ EP = 1 (the counts do not depend on the layout), and prints JSON:
   their parameters, Engram tables are excluded (a token reads ``(N-1)*H`` rows per Engram layer)
   while the Engram projections, norms and conv count in full; the output layer counts;
 - ``engram_tables`` / ``engram_dense``: the tables, and the rest of the Engram branches;
-- ``embedding``, ``output_layer``, ``routed_experts``, ``moe_layers``.
+- ``embedding``, ``output_layer``, ``routed_experts``, ``moe_layers``;
+- ``engram_table_bytes_per_param`` / ``engram_table_bytes``: what a table parameter costs with
+  its optimizer state for the chosen ``engram_table_dtype``, ``engram_optimizer``,
+  ``engram_master_weights`` and ``engram_optimizer_state_dtype`` (value, master, moments), and
+  all tables' total (summed over shards; with host placement, host memory).
 
 ``--vocab-size`` sets the tokenizer vocabulary (padded as the trainer pads it); without it the
 configured ``data.tokenizer`` is read. Flags and Hydra overrides may come in any order. Without
@@ -146,8 +150,14 @@ def run_config_counts(cfg, world_size: int | None, vocab_size: int | None = None
         vocab_size = load_tokenizer(cfg.data.tokenizer).vocab_size
     padded = padded_vocab_size(vocab_size, config.tensor_model_parallel_size)
     model = build_on_meta(config, padded, int(cfg.train.seq_length))
-    return dict(asdict(count_parameters(model, config)), vocab_size=padded,
-                world_size=world_size)
+    counts = asdict(count_parameters(model, config))
+    if getattr(config, "use_engram", False):
+        from engram_train.training.run_config import engram_table_bytes_per_param
+
+        per_param = engram_table_bytes_per_param(config)
+        counts.update(engram_table_bytes_per_param=per_param,
+                      engram_table_bytes=int(per_param * counts["engram_tables"]))
+    return dict(counts, vocab_size=padded, world_size=world_size)
 
 
 def compose_config(overrides: list[str]):

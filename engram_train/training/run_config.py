@@ -179,6 +179,26 @@ def engram_table_params_per_rank(cfg) -> int:
     return -(-layers * per_layer // shards)
 
 
+def _optimizer_state_options(model_config) -> dict:
+    return dict(
+        optimizer=model_config.engram_optimizer,
+        state_dtype_bytes=2 if model_config.engram_optimizer_state_dtype == "bf16" else 4,
+        row_width=model_config.n_embed_per_ngram // model_config.n_head_per_ngram,
+    )
+
+
+def engram_table_bytes_per_param(model_config) -> float:
+    """Bytes per Engram table parameter where the table lives (with host placement, host
+    memory): value, float32 master (bf16 tables with ``engram_master_weights``) and the
+    optimizer moments (``engram/host_table.table_bytes_per_param``)."""
+    from engram_train.engram.host_table import table_bytes_per_param
+
+    bf16 = model_config.engram_table_dtype == "bf16"
+    return table_bytes_per_param(2 if bf16 else 4,
+                                 master=bf16 and model_config.engram_master_weights,
+                                 **_optimizer_state_options(model_config))
+
+
 def _check_host_memory(cfg, model_config, world_size: int) -> None:
     """Host-resident tables (or offloaded table optimizer states) must fit in the host RAM
     available to the ranks of one node; refused at start, naming the fields, otherwise."""
@@ -194,11 +214,12 @@ def _check_host_memory(cfg, model_config, world_size: int) -> None:
     if available is None:
         return
     params = engram_table_params_per_rank(cfg)
-    table_bytes = 2 if model_config.engram_table_dtype == "bf16" else 4
-    if host:  # the table, its two float32 moments and (bf16 tables) a float32 master
-        per_rank = host_table_bytes(params, table_bytes, mixed_precision=table_bytes != 4)
-    else:  # offload: a float32 master (also for fp32 tables) and the two moments
-        per_rank = host_table_bytes(params, 4, mixed_precision=False)
+    per_param = engram_table_bytes_per_param(model_config)
+    if host:  # the table, its moments and (bf16 tables with masters) a float32 master
+        per_rank = int(params * per_param)
+    else:  # offload: a float32 master (also for fp32 tables) and the moments
+        per_rank = host_table_bytes(params, 4, mixed_precision=False,
+                                    **_optimizer_state_options(model_config))
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     need = per_rank * ranks
     if need > available:
@@ -207,7 +228,8 @@ def _check_host_memory(cfg, model_config, world_size: int) -> None:
         gib = 1 << 30
         raise ConfigError(
             f"{what} needs {need / gib:.1f} GiB of host memory on this node ({ranks} ranks x "
-            f"{per_rank / gib:.2f} GiB for {params:,} table parameters each) but "
+            f"{per_rank / gib:.2f} GiB for {params:,} table parameters each, "
+            f"{per_param:.2f} bytes per parameter) but "
             f"{available / gib:.1f} GiB are available: raise "
             "model.engram_embedding_parallel_size (more shards), use fewer ranks per node, "
             "lower model.engram_vocab_size, or set model.engram_table_placement=device"
@@ -311,6 +333,9 @@ def build_transformer_config(cfg):
         fp16=s.precision == "fp16",
         recompute_granularity=s.recompute_granularity,
     )
+    modules = _get(s, "recompute_modules")
+    if modules is not None:  # megatron's selective modules, plus "mhc" (the mHC mappings)
+        fields.update(recompute_modules=list(modules))
     if s.recompute_granularity == "full":
         fields.update(recompute_method=s.recompute_method, recompute_num_layers=int(s.recompute_num_layers))
     try:

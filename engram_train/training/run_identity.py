@@ -7,6 +7,10 @@ and the override that accepts the change:
   compressed tokenizer's digest and size, N, H, layer ids, the table primes, the pad id, the
   hash multipliers) and the Engram shapes. A change re-hashes tokens into rows trained for other
   n-grams. Override: ``checkpoint.load_engram=false`` (keep the backbone, start Engram afresh).
+- ``engram_optimizer_state``: the layout of the table optimizer's state, ``elementwise``
+  (``sparse_adam``, ``adam``: two moments per element, interchangeable) or ``rowwise``
+  (``rowwise_adam``: a second moment per row). A checkpoint resumes only into the same layout;
+  same override.
 - ``model``: the backbone fields that decide parameter shapes. No override: a checkpoint's
   shapes cannot change.
 - the LR schedule (megatron's ``OptimizerParamScheduler`` state, saved in every checkpoint).
@@ -147,8 +151,14 @@ def model_identity(config, padded_vocab_size: int) -> dict:
     return _plain(shape)
 
 
+def optimizer_state_layout(config) -> str:
+    """``rowwise`` for ``engram_optimizer: rowwise_adam``, else ``elementwise``."""
+    return "rowwise" if getattr(config, "engram_optimizer", None) == "rowwise_adam" else "elementwise"
+
+
 def run_identity(config, padded_vocab_size: int, mapping=None) -> dict:
-    """``{"model": ..., "use_engram": bool, "engram": ... or None}`` for a manifest."""
+    """``{"model": ..., "use_engram": bool, "engram": ... or None, "engram_optimizer_state":
+    ... or None}`` for a manifest."""
     use = bool(getattr(config, "use_engram", False))
     if use and mapping is None:
         raise ValueError("run_identity: an Engram run needs its NgramHashMapping")
@@ -156,6 +166,7 @@ def run_identity(config, padded_vocab_size: int, mapping=None) -> dict:
         "model": model_identity(config, padded_vocab_size),
         "use_engram": use,
         "engram": engram_identity(config, mapping) if use else None,
+        "engram_optimizer_state": optimizer_state_layout(config) if use else None,
     }
 
 
@@ -230,6 +241,21 @@ def check_run_identity(saved: Mapping | None, current: Mapping, *, load_engram: 
                 f"{what}: {_show(old)} in the checkpoint, {_show(new)} here. Tokens would hash to "
                 f"rows trained for other n-grams: {fix}, or set checkpoint.load_engram=false to "
                 "keep the backbone and start Engram afresh"
+            )
+    if load_engram and was and now:
+        # checkpoints saved before layouts were recorded hold sparse_adam/adam state
+        old = saved.get("engram_optimizer_state") or "elementwise"
+        new = current.get("engram_optimizer_state")
+        if new is not None and old != new:
+            if "checkpoint.load_engram=false" not in overrides:
+                overrides.append("checkpoint.load_engram=false")
+            saved_as = ("rowwise_adam (a second moment per row)" if old == "rowwise" else
+                        "sparse_adam or adam (two moments per element)")
+            lines.append(
+                f"model.engram_optimizer: the checkpoint's table optimizer state is {old}, saved "
+                f"by {saved_as}; this run's is {new}. The moments do not convert: resume with "
+                f"model.engram_optimizer={'rowwise_adam' if old == 'rowwise' else 'sparse_adam'}, "
+                "or set checkpoint.load_engram=false to keep the backbone and start Engram afresh"
             )
     if lines:
         raise ResumeMismatchError(

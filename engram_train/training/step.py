@@ -107,12 +107,20 @@ def train_step(
     seq_length: int,
     micro_batch_size: int,
     lr_scheduler=None,
+    next_microbatches: list[Batch] | None = None,
 ) -> StepResult:
-    """Forward/backward over one global batch (this rank's micro-batches) and one optimizer step."""
+    """Forward/backward over one global batch (this rank's micro-batches) and one optimizer step.
+
+    ``next_microbatches`` (the next step's, when already at hand): host-resident tables updated
+    overlapped with the next step change the rows it reads first (``training/host_update.py``)."""
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     losses = run_forward_backward(model, microbatches, seq_length, micro_batch_size)
+    if next_microbatches is not None:
+        from engram_train.training.host_update import prioritize_next_step
+
+        prioritize_next_step(model, optimizer, next_microbatches)
     success, grad_norm, num_zeros = optimizer.step()
     if success and lr_scheduler is not None:
         lr_scheduler.step(increment=len(microbatches) * micro_batch_size * parallel_state.get_data_parallel_world_size())

@@ -57,7 +57,12 @@ LAYOUTS = [  # name, ParallelSizes, sequence parallel, config overrides, distrib
      dict(engram_table_placement="host"), True),
     ("allreduce_tp2sp", ParallelSizes(tensor=2), True,
      dict(engram_embedding_parallel_method="allreduce"), False),
+    ("dp4_no_mhc_recompute", ParallelSizes(), False, dict(recompute_modules=[]), False),
 ]
+TP_LAYOUTS = ("tp2pp2sp_eps2", "allreduce_tp2sp")
+LR = 3e-4
+"""Where the tiny model's dynamics are stable: at 3e-3 without warm-up it is chaotic (every
+step clipped) and TP's summation order alone drifts the losses by ~1e-3 in a few steps."""
 RESHARD_FROM = "tp2pp2sp_eps2"
 
 
@@ -129,7 +134,7 @@ def setup(name, layout, sp, overrides, distopt, seed):
     model = build(cfg, distopt)
     if len(model) > 1:
         cfg.no_sync_func = [m.no_sync for m in model]
-    opt_config = OptimizerConfig(optimizer="adam", lr=3e-4, clip_grad=0.5, weight_decay=0.0,
+    opt_config = OptimizerConfig(optimizer="adam", lr=LR, clip_grad=0.5, weight_decay=0.0,
                                  use_distributed_optimizer=distopt,
                                  bf16=bool(overrides.get("bf16")),
                                  params_dtype=overrides.get("params_dtype", torch.float32))
@@ -148,6 +153,8 @@ def check_layouts(result, root: Path):
             steps.append(train_step(model, optimizer, step_batches(step), SEQ, MICRO_BATCH))
             if name == RESHARD_FROM and step + 1 == SAVE_AFTER:
                 save_checkpoint(root / "reshard", SAVE_AFTER, model, optimizer)
+            if name in TP_LAYOUTS and step + 1 == SAVE_AFTER:
+                result[f"{name}_replicated"] = tp_replicated_differences(model)
         result[name] = dict(losses=[s.lm_loss for s in steps],
                             grad_norms=[s.grad_norm for s in steps])
     # TP2 x PP2 x eps 2 -> TP1 x PP1: load model and optimizer, continue the same batches.
@@ -157,13 +164,98 @@ def check_layouts(result, root: Path):
     result["reshard_losses"] = [train_step(model, optimizer, step_batches(step), SEQ,
                                            MICRO_BATCH).lm_loss
                                 for step in range(SAVE_AFTER, STEPS)]
-    # bf16 on DP4: the mapping math in float32, the losses near fp32's.
-    model, optimizer = setup("bf16", ParallelSizes(), False,
-                             dict(bf16=True, params_dtype=torch.bfloat16,
-                                  pipeline_dtype=torch.bfloat16), False, seed=41)
+    # bf16 on DP4 with the distributed optimizer: the mappings float32, the losses near fp32's.
+    model, optimizer = setup("bf16", ParallelSizes(), False, BF16, True, seed=41)
     load_checkpoint(root / "base", model)
     result["bf16_losses"] = [train_step(model, optimizer, step_batches(step), SEQ,
                                         MICRO_BATCH).lm_loss for step in range(STEPS)]
+    check_float32_mappings(result, model, optimizer, root)
+
+
+BF16 = dict(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)
+
+
+def is_mapping(name: str) -> bool:
+    return any(part in name for part in ("attn_hc.", "ffn_hc.", "hc_head."))
+
+
+def tp_replicated_differences(model) -> dict:
+    """Every parameter replicated across TP (not split by megatron's tensor parallelism, not an
+    Engram table shard) compared bitwise with TP rank 0's: ``{"checked": names,
+    "different": names}``."""
+    group = parallel_state.get_tensor_model_parallel_group()
+    checked, different = [], []
+    for chunk in model:
+        for name, param in chunk.named_parameters():
+            if (getattr(param, "tensor_model_parallel", False)
+                    or getattr(param, "is_engram_table", False)
+                    or not getattr(param, "allreduce", True)):  # experts: split over EP / ETP
+                continue
+            copies = [torch.empty_like(param.data) for _ in range(group.size())]
+            dist.all_gather(copies, param.data.contiguous(), group=group)
+            checked.append(name)
+            if not all(torch.equal(copies[0], c) for c in copies[1:]):
+                different.append(name)
+    return {"checked": checked, "different": different}
+
+
+def megatron_fp32_params(optimizer) -> set[int]:
+    """ids of the model parameters megatron's optimizers step as float32 parameters (their own
+    main parameters: ``fp32_from_fp32_groups`` / the distributed optimizer's
+    ``model_fp32_groups``)."""
+    ids = set()
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for attr in ("fp32_from_fp32_groups", "model_fp32_groups"):
+            for group in getattr(part, attr, []):
+                ids.update(id(p) for p in group)
+    return ids
+
+
+def stored_dtypes(directory: Path) -> dict:
+    """dtype of every tensor in a megatron distributed checkpoint (its torch DCP metadata)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = next(directory.rglob(".metadata")).parent
+    entries = FileSystemReader(str(metadata)).read_metadata().state_dict_metadata
+    return {k: str(v.properties.dtype) for k, v in entries.items() if hasattr(v, "properties")}
+
+
+def check_float32_mappings(result, model, optimizer, root: Path):
+    """bf16: the mappings stay float32 (parameters, gradients, megatron's float32 parameters
+    in the distributed optimizer, the checkpoint); a checkpoint with bf16 mappings (as written
+    before they were float32) still loads."""
+    params = dict(model[0].named_parameters())
+    fp32 = megatron_fp32_params(optimizer)
+    result["bf16_mapping_dtypes"] = sorted({str(p.dtype) for n, p in params.items()
+                                            if is_mapping(n)})
+    result["bf16_other_dtypes"] = sorted({str(p.dtype) for n, p in params.items()
+                                          if not is_mapping(n) and "engram" not in n})
+    result["bf16_mapping_grad_dtypes"] = sorted({str(p.main_grad.dtype)
+                                                 for n, p in params.items() if is_mapping(n)})
+    result["bf16_mappings_fp32_in_optimizer"] = all(
+        id(p) in fp32 for n, p in params.items() if is_mapping(n))
+    result["bf16_others_fp32_in_optimizer"] = any(
+        id(p) in fp32 for n, p in params.items() if not is_mapping(n))
+    save_checkpoint(root / "bf16", STEPS, model, optimizer)
+    dtypes = stored_dtypes(root / "bf16")
+    result["bf16_stored_mapping_dtypes"] = sorted({d for k, d in dtypes.items()
+                                                   if is_mapping(k) and "optimizer" not in k})
+    result["bf16_stored_mapping_count"] = sum(is_mapping(k) for k in dtypes)
+    # A checkpoint of bf16 mappings (the layout before they were float32) loads, upcast.
+    init(ParallelSizes(), seed=43)
+    old = build_model(mhc_config(ParallelSizes(), **BF16), VOCAB, SEQ, wrap_with_ddp=False)
+    for name, param in old[0].named_parameters():
+        if is_mapping(name):
+            param.data = (param.data + 0.01 * torch.randn_like(param.data)).bfloat16()
+    save_checkpoint(root / "bf16_mappings", 0, old)
+    want = {n: p.detach().float().clone() for n, p in old[0].named_parameters() if is_mapping(n)}
+    new = build(mhc_config(ParallelSizes(), **BF16))
+    load_checkpoint(root / "bf16_mappings", new)
+    got = {n: p for n, p in new[0].module.named_parameters() if is_mapping(n)}
+    result["old_bf16_mappings_load"] = (
+        len(got) == len(want) > 0
+        and all(p.dtype == torch.float32 and torch.equal(p.detach(), want[n])
+                for n, p in got.items()))
 
 
 def check_refusal(result, root: Path):

@@ -18,7 +18,7 @@ import re
 import pytest
 import torch
 
-from engram_train.models.hyper_connection import HyperConnection, HyperHead
+from engram_train.models.hyper_connection import HyperConnection, HyperHead, mixing_weights
 
 S, B, H = 3, 2, 16  # sequence, micro-batch and hidden sizes: small, the math is per token
 RTOL32 = 1e-5  # float32 module vs float64 oracle, relative to the largest reference entry
@@ -168,7 +168,8 @@ def test_connection_forward_matches_oracle(n, kwargs):
 
 
 def test_mix_orientation_by_hand():
-    """mix with C a permutation matrix (C[j, k] = 1 iff k = perm[j]) moves stream j to perm[j]."""
+    """mix with C a permutation matrix (C[j, k] = 1 iff k = perm[j]) moves stream j to perm[j]
+    (to one float32 rounding: the mix adds ``(C - I)^T X`` to X)."""
     n = 4
     perm = [2, 0, 3, 1]
     hc = HyperConnection(H, n)
@@ -179,7 +180,7 @@ def test_mix_orientation_by_hand():
         C[:, :, j, k] = 1.0
     out = hc.mix(X, y, torch.zeros(S, B, n), C)
     for j, k in enumerate(perm):
-        torch.testing.assert_close(out[:, :, k], X[:, :, j], rtol=0, atol=0)
+        torch.testing.assert_close(out[:, :, k], X[:, :, j], rtol=0, atol=2.5e-7)
     # H_post scales y onto each stream independently.
     h_post = torch.tensor([0.5, 1.0, 1.5, 2.0]).expand(S, B, n)
     y = random_streams(1, seed=8)[:, :, 0]
@@ -465,3 +466,136 @@ def test_both_write_back_paths_agree(n, monkeypatch):
         grads.append([t.grad for t in leaves])
     for batched, looped in zip(*grads):
         torch.testing.assert_close(batched, looped, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------- recompute, bf16 mixing, saved activations
+
+
+def _sublayer_run(hc, lin, x0, recompute):
+    """One sublayer (mapping, a linear + tanh as F, write-back) forward and backward."""
+    hc.zero_grad()
+    lin.zero_grad()
+    x = x0.clone().requires_grad_()
+    out = hc.sublayer(x, lambda u: torch.tanh(lin(u)), recompute)
+    (out.float().square() * torch.linspace(0.5, 1.5, out.shape[-1])).sum().backward()
+    return [out.detach(), x.grad, hc.fn.grad, hc.base.grad, hc.scale.grad, lin.weight.grad]
+
+
+@pytest.mark.parametrize("h", [16, 256])  # both write-back paths (broadcast, batched)
+def test_recompute_gives_the_same_numbers(h):
+    """The recomputed mapping and the hand-written write-back backward equal autograd through
+    the stored mapping (float32: to rounding)."""
+    torch.manual_seed(3)
+    hc = HyperConnection(h, 4)
+    with torch.no_grad():  # away from the init so every gradient is large
+        hc.scale.fill_(0.7)
+        hc.base.normal_()
+    lin = torch.nn.Linear(h, h)
+    x0 = torch.randn(S, B, 4, h)
+    stored, recomputed = (_sublayer_run(hc, lin, x0, r) for r in (False, True))
+    for name, a, b in zip(["out", "x", "fn", "base", "scale", "F"], stored, recomputed):
+        assert (a - b).abs().max() <= 1e-6 * a.abs().max(), name
+
+
+class SavedBytes:
+    """Bytes saved for backward inside the context (``saved_tensors_hooks``), each storage
+    once, parameters left out (they are kept anyway, not per token)."""
+
+    def __init__(self, params):
+        self.params = {p.data_ptr() for p in params}
+        self.storages = {}
+
+    def pack(self, t):
+        if t.data_ptr() not in self.params:
+            storage = t.untyped_storage()
+            self.storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    def __enter__(self):
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.hooks.__exit__(*exc)
+
+    @property
+    def total(self):
+        return sum(self.storages.values())
+
+
+def saved_bytes_per_token(n, h, dtype, recompute):
+    """Saved bytes per token of one mapping and its write-back (the sublayer F excluded)."""
+    s, b = 32, 2
+    hc = HyperConnection(h, n)
+    x = torch.randn(s, b, n, h, dtype=dtype, requires_grad=True) * 1
+    lin = torch.nn.Linear(h, h, dtype=dtype)
+    counter = SavedBytes(hc.parameters())
+
+    def f(u):  # the sublayer itself: its saved tensors are not the mapping's
+        counter.__exit__(None, None, None)
+        y = lin(u)
+        counter.__enter__()
+        return y
+
+    with counter:
+        hc.sublayer(x, f, recompute)
+    return counter.total / (s * b)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_recompute_keeps_only_x_and_the_sublayer_output(n):
+    """With recompute, one sublayer's mapping keeps X (n x h) and F's output (h) in the model
+    dtype: (n + 1) x h x 2 bytes per token under bf16; without, several float32 copies."""
+    h = 64
+    bound = (n + 1) * h * 2
+    recomputed = saved_bytes_per_token(n, h, torch.bfloat16, True)
+    assert recomputed <= bound, (recomputed, bound)
+    assert recomputed == bound  # X and y are needed: the bound is tight
+    assert saved_bytes_per_token(n, h, torch.bfloat16, False) > 4 * bound
+
+
+def _growth(weights, sublayers=100, n=4, h=64):
+    """Residual growth per sublayer over ``sublayers`` identity-initialized write-backs (F = 0)
+    whose weights ``weights(c)`` (``[s, b, n, n]``, ``C^T``'s stand-in) are rounded as the bf16
+    model rounds them, the streams kept in float32 (so only the weights' rounding shows): the
+    size of the sum over the streams, which a doubly stochastic mix preserves."""
+    torch.manual_seed(0)
+    hc = HyperConnection(h, n)
+    x = torch.randn(16, 2, n, h)
+    start = x.sum(2).norm()
+    with torch.no_grad():
+        for _ in range(sublayers):
+            _, _, c = hc(x)
+            x = torch.matmul(weights(c).transpose(-1, -2), x)
+    return (x.sum(2).norm() / start).item() ** (1 / sublayers) - 1
+
+
+def test_bf16_mixing_keeps_the_residual_size():
+    """C near the identity (diagonal ~0.999) rounds to 1.0 in bf16: ``C`` cast to bf16 has row
+    sums ~1.001 and grows the residual ~1e-3 per sublayer; the write-back's weights ``C - I``
+    in bf16 (added to X) keep C's sums: within 1e-4 per sublayer."""
+    naive = _growth(lambda c: c.bfloat16().float())
+    eye = torch.eye(4)
+    ours = _growth(lambda c: mixing_weights(torch.ones(1), c, torch.bfloat16)[1].float() + eye)
+    assert naive > 5e-4, naive
+    assert abs(ours) <= 1e-4, ours
+    assert abs(_growth(lambda c: c)) <= 1e-5  # float32: doubly stochastic to eps_hc
+
+
+def test_mapping_needs_no_output_size_from_the_device():
+    """The gating scales are spread over the logits by a precomputed index (no
+    ``repeat_interleave`` with a tensor of repeats, which waits for the device)."""
+    hc = HyperConnection(H, 4)
+    assert hc._scale_index.tolist() == [0] * 4 + [1] * 4 + [2] * 16
+    original = torch.Tensor.repeat_interleave
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("repeat_interleave in the mapping")
+
+    torch.Tensor.repeat_interleave = refuse
+    try:
+        x = random_streams(4, seed=1).requires_grad_()
+        hc.sublayer(x, lambda u: u, True).sum().backward()
+    finally:
+        torch.Tensor.repeat_interleave = original

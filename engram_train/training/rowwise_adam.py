@@ -1,0 +1,107 @@
+"""Row-wise Adam for Engram tables (``engram_optimizer: rowwise_adam``).
+
+Why. Adam's two float32 moments cost 8 bytes per table parameter, twice a bf16 value and
+moment. A table row is one n-gram's memory, and its elements see gradients of similar scale,
+so one second moment per row (the mean of the squared row gradient, as FBGEMM's
+PARTIAL_ROWWISE_ADAM keeps) loses little; the first moment stays per element. State per
+parameter: ``exp_avg`` shaped like the table (float32, or bf16 with
+``engram_optimizer_state_dtype: bf16``) and ``exp_avg_sq_row`` [rows] float32.
+
+A touched row r with gradient g [D] at step t (t counts every iteration, as ``sparse_adam``):
+
+    m_r  = beta1 m_r + (1 - beta1) g
+    v_r  = beta2 v_r + (1 - beta2) mean(g^2)
+    w_r  = w_r (1 - lr wd)  -  lr / (1 - beta1^t) * m_r / (sqrt(v_r) / sqrt(1 - beta2^t) + eps)
+
+the same LR (``engram_lr_multiplier`` on the group), bias correction and decoupled weight decay
+on the touched rows as ``sparse_adam``. Untouched rows do not move.
+
+Parameters may be bfloat16 (a table without float32 master, ``engram_master_weights: false``):
+the row is updated in float32 and rounded back stochastically with hashed bits
+(``stochastic_rounding.py``), as is a bf16 first moment, so results do not depend on how the
+rows are split over ranks or threads.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engram_train.training.sparse_adam import RowOptimizer
+from engram_train.training.stochastic_rounding import (
+    STREAM_MOMENT,
+    STREAM_VALUE,
+    round_rows_bf16,
+)
+
+STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class RowwiseAdam(RowOptimizer):
+    """Adam with a per-row second moment over the rows named each step; see the module
+    docstring. ``seed`` keys the stochastic rounding; a parameter's ``engram_layer_id`` and
+    ``engram_row_start`` (its first global row) name its elements."""
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, *, state_dtype: str = "fp32", seed: int = 0) -> None:
+        if not 0.0 <= lr:
+            raise ValueError(f"lr={lr} must be >= 0")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"betas={betas} must lie in [0, 1)")
+        if state_dtype not in STATE_DTYPES:
+            raise ValueError(f"state_dtype={state_dtype!r} must be one of {list(STATE_DTYPES)}")
+        self.moment_dtype = STATE_DTYPES[state_dtype]
+        self.seed = int(seed)
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        super().__init__(params, defaults)
+        for param in self.params():
+            if param.dtype not in (torch.float32, torch.bfloat16):
+                raise ValueError(f"rowwise_adam steps float32 or bfloat16 tables, got {param.dtype}")
+
+    def init_state(self, param: torch.Tensor) -> dict:
+        state = self.state[param]
+        if len(state) == 0:
+            state["step"] = torch.zeros((), dtype=torch.float32)
+            state["exp_avg"] = torch.zeros(param.shape, dtype=self.moment_dtype,
+                                           device=param.device)
+            state["exp_avg_sq_row"] = torch.zeros(param.shape[0], dtype=torch.float32,
+                                                  device=param.device)
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch casts loaded state to each parameter's dtype: put the moments back in theirs."""
+        super().load_state_dict(state_dict)
+        for param in self.params():
+            state = self.state[param]
+            if "exp_avg" in state:
+                state["exp_avg"] = state["exp_avg"].to(self.moment_dtype)
+                # a checkpoint stores the row vector as a [rows, 1] column
+                state["exp_avg_sq_row"] = state["exp_avg_sq_row"].to(torch.float32).reshape(-1)
+
+    def _store(self, target: torch.Tensor, rows: torch.Tensor, values: torch.Tensor,
+               param: torch.Tensor, step: float, stream: int) -> None:
+        if target.dtype == torch.bfloat16:
+            start = int(getattr(param, "engram_row_start", 0))
+            values = round_rows_bf16(values, seed=self.seed,
+                                     layer=int(getattr(param, "engram_layer_id", 0)),
+                                     step=int(step), stream=stream, global_rows=rows + start)
+        target.index_copy_(0, rows, values.to(target.dtype))
+
+    @torch.no_grad()
+    def update_rows(self, param, rows, values, plan) -> None:
+        beta1, beta2 = plan["betas"]
+        lr, eps, wd, step = plan["lr"], plan["eps"], plan["weight_decay"], plan["step"]
+        state = self.state[param]
+        rows = rows.to(param.device)
+        grad = values.to(param.device, torch.float32)
+        m = state["exp_avg"].index_select(0, rows).float().lerp_(grad, 1 - beta1)
+        v = state["exp_avg_sq_row"].index_select(0, rows).mul_(beta2)
+        v.add_(grad.square().mean(dim=1), alpha=1 - beta2)
+        state["exp_avg_sq_row"].index_copy_(0, rows, v)
+        self._store(state["exp_avg"], rows, m, param, step, STREAM_MOMENT)
+        step_size = lr / (1 - beta1**step)
+        denom = (v.sqrt() / (1 - beta2**step) ** 0.5).add_(eps).unsqueeze(1)
+        value = param.index_select(0, rows).float()
+        if wd:
+            value.mul_(1 - lr * wd)
+        value.addcdiv_(m, denom.expand_as(m), value=-step_size)
+        self._store(param.data, rows, value, param, step, STREAM_VALUE)
