@@ -29,6 +29,7 @@ EVERY_LANE = {
     "test_lane_checkpoints.py",
     "test_reliability_checkpoint.py",
     "test_mhc_layouts.py",
+    "test_expert_parallel_resume.py",
 }
 
 

@@ -132,6 +132,7 @@ def _cfg(*overrides):
          r"'allreduce' shards the tables over the tensor-parallel group"),
         (["system.virtual_pipeline_model_parallel_size=2"], 2, r"virtual_pipeline_model_parallel_size"),
         (["system.expert_model_parallel_size=3"], 4, r"expert_model_parallel_size 3 must divide"),
+        (["data.reset_attention_mask=true"], 1, r"data.reset_attention_mask=true is not supported"),
     ],
 )
 def test_bad_configs_fail_before_any_process_group(overrides, world, match):

@@ -1,7 +1,9 @@
 """Loading one checkpoint directory (every rank), or the newest intact one under a save root.
 
 Model keys are megatron's sharded keys (global layer numbers) and the optimizer state is saved
-fully reshardable, so save and load layouts can differ. ``load_engram=False`` loads everything
+fully reshardable and keyed by role in megatron's optimizer chain (dense, expert, engram), so
+save and load layouts can differ, expert parallelism included; a checkpoint keyed by position
+(saved before) loads when this run's chain has its shape, and is refused clearly otherwise. ``load_engram=False`` loads everything
 but Engram (``partial.py``). A checkpoint megatron-core 0.19 wrote loads under 0.16 through the
 ``embedded_common_state`` patch (runtime/patches.py).
 """
@@ -21,7 +23,13 @@ from engram_train.checkpoint.layout import TRACKER, iteration_dir
 from engram_train.checkpoint.manifest import check_checkpoint
 from engram_train.checkpoint.selection import select_checkpoint
 from engram_train.checkpoint.partial import load_without_engram
-from engram_train.checkpoint.state import check_loaded, full_sharded_state_dict, load_chunks
+from engram_train.checkpoint.state import (
+    as_chain,
+    check_loaded,
+    full_sharded_state_dict,
+    load_chunks,
+    saved_metadata,
+)
 
 
 def saved_param_groups(ckpt: str | os.PathLike) -> list[list[dict]] | None:
@@ -68,19 +76,21 @@ def load_checkpoint_dir(
     try:
         if not load_engram:
             return load_without_engram(ckpt, model, optimizer)
-        state = full_sharded_state_dict(model, optimizer, is_loading=True)
+        chain = as_chain(optimizer) if optimizer is not None else None
+        metadata = saved_metadata(ckpt, chain) if chain is not None else None
+        state = full_sharded_state_dict(model, chain, is_loading=True, metadata=metadata)
         state["iteration"] = None
         state["extra"] = None
         loaded = dist_checkpointing.load(
             state, str(ckpt), strict="raise_all" if strict else "assume_ok_unexpected"
         )
+        load_chunks(model, loaded, strict)
+        if chain is not None:
+            chain.load_state_dict(loaded["optimizer"])
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as e:
         raise CheckpointError(f"loading {ckpt} failed: {type(e).__name__}: {e}") from e
-    load_chunks(model, loaded, strict)
-    if optimizer is not None:
-        optimizer.load_state_dict(loaded["optimizer"])
     check_loaded(ckpt, model)
     return int(loaded["iteration"]), loaded.get("extra") or {}
 

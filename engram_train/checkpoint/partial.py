@@ -26,7 +26,9 @@ from engram_train.checkpoint.state import (
     is_engram_key,
     load_chunks,
     model_sharded_state_dict,
+    saved_metadata,
 )
+from engram_train.runtime.megatron_fixes import CHAIN_BY_ROLE
 
 
 def optimizer_parts(optimizer) -> tuple[list, list]:
@@ -41,9 +43,29 @@ def optimizer_parts(optimizer) -> tuple[list, list]:
     return parts, tables
 
 
-def _optimizer_request(ckpt: Path, model, parts: list, is_engram) -> tuple[bool, dict, dict]:
+def _optimizer_request(ckpt: Path, model, parts: list, is_engram) -> tuple[Any, dict, dict]:
+    """(how to load the loaded state into ``parts``, the Engram entries to start afresh, the
+    request for everything else) of megatron's optimizers ``parts``, under the checkpoint's key
+    layout: by role (see `load_checkpoint_dir`), or by position (older checkpoints)."""
+    metadata = saved_metadata(ckpt)
+    if metadata.get(CHAIN_BY_ROLE):
+        chain = ChainedOptimizer(parts)
+        request = chain.sharded_state_dict(model_sharded_state_dict(model), is_loading=True,
+                                           metadata=metadata)
+        fresh, request = extract_matching_values(request, is_engram)
+        return chain.load_state_dict, fresh, request
+    chained, fresh, request = _positional_request(ckpt, model, parts, is_engram)
+
+    def load(loaded_optimizer):
+        for i, part in enumerate(parts):
+            part.load_state_dict(loaded_optimizer[i] if chained else loaded_optimizer)
+
+    return load, fresh, request
+
+
+def _positional_request(ckpt: Path, model, parts: list, is_engram) -> tuple[bool, dict, dict]:
     """(whether the checkpoint holds a chain, the Engram entries to start afresh, the request
-    for everything else) of megatron's optimizers ``parts``, under the checkpoint's key layout."""
+    for everything else) of a checkpoint that keys its optimizer chain by position."""
     tensors = dist_checkpointing.load_tensors_metadata(str(ckpt))
     chained = any(key.startswith("chained_") for key in tensors)
     reference = model_sharded_state_dict(model)
@@ -67,8 +89,9 @@ def load_without_engram(ckpt: Path, model, optimizer) -> tuple[int, dict[str, An
     """Everything but Engram: see `load_checkpoint_dir`.
 
     megatron's optimizers (not the Engram table optimizer) are requested under the key layout
-    the checkpoint has: a single optimizer's keys carry no prefix, a chain's (several
-    optimizers, or any Engram checkpoint) carry ``chained_<i>.``. The optimizer state of
+    the checkpoint has: by role, or (older checkpoints) by position, where a single optimizer's
+    keys carry no prefix and a chain's (several optimizers, or any Engram checkpoint) carry
+    ``chained_<i>.``. The optimizer state of
     Engram's dense parameters (which sit in megatron's optimizer) is not read: its Adam moments
     start at zero and its fp32 master copy is the parameter as initialised.
     """
@@ -87,10 +110,11 @@ def load_without_engram(ckpt: Path, model, optimizer) -> tuple[int, dict[str, An
         if isinstance(sh, ShardedTensor) and is_engram_key(sh.key)
     }
     initial_engram = {key: data.detach().clone() for key, data in engram_live.items()}
-    parts, fresh_optim, chained = [], {}, False
+    fresh_optim, load_optimizer = {}, None
     if optimizer is not None:
         parts, _ = optimizer_parts(optimizer)
-        chained, fresh_optim, state["optimizer"] = _optimizer_request(ckpt, model, parts, is_engram)
+        load_optimizer, fresh_optim, state["optimizer"] = _optimizer_request(
+            ckpt, model, parts, is_engram)
     state["iteration"] = None
     state["extra"] = None
 
@@ -120,8 +144,7 @@ def load_without_engram(ckpt: Path, model, optimizer) -> tuple[int, dict[str, An
 
         dict_list_map_inplace(initial, fresh_optim)
         merge(loaded["optimizer"], fresh_optim)
-        for i, part in enumerate(parts):
-            part.load_state_dict(loaded["optimizer"][i] if chained else loaded["optimizer"])
+        load_optimizer(loaded["optimizer"])
     with torch.no_grad():
         for key, data in engram_live.items():
             data.copy_(initial_engram[key])

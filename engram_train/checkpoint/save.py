@@ -42,7 +42,12 @@ from engram_train.checkpoint.manifest import (
     files_of,
     rank_world,
 )
-from engram_train.checkpoint.state import full_sharded_state_dict, nonfinite_parameter
+from engram_train.checkpoint.state import (
+    as_chain,
+    full_sharded_state_dict,
+    nonfinite_parameter,
+    save_metadata,
+)
 
 log = logging.getLogger(__name__)
 
@@ -83,11 +88,13 @@ def save_checkpoint(
         tmp.mkdir(parents=True)
     dist.barrier()
     started = time.perf_counter()
-    state = full_sharded_state_dict(model, optimizer, is_loading=False)
+    metadata = save_metadata()
+    state = full_sharded_state_dict(model, optimizer and as_chain(optimizer), is_loading=False,
+                                    metadata=metadata)
     state["iteration"] = iteration
     state["extra"] = extra or {}
     try:
-        dist_checkpointing.save(state, str(tmp))
+        dist_checkpointing.save(state, str(tmp), content_metadata=metadata)
     except (Exception, CheckpointException) as e:  # torch's CheckpointException is a BaseException
         no_space = is_no_space(e, root, tmp, checkpoint_bytes(root) or space_estimate)
         shutil.rmtree(tmp, ignore_errors=True)

@@ -12,12 +12,17 @@ from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import is_main_replica
 from megatron.core.utils import unwrap_model
 
-from engram_train.checkpoint.errors import DamagedCheckpointError
+from engram_train.checkpoint.errors import CheckpointError, DamagedCheckpointError
 from engram_train.checkpoint.manifest import rank_world
+from engram_train.runtime.megatron_fixes import CHAIN_BY_ROLE
 
 # "fully_reshardable": the distributed optimizer's state is saved per model parameter, so a
 # checkpoint loads under another (TP, PP, EP, DP) layout.
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+# How checkpoints key the optimizer chain's state (the checkpoint's content metadata says which):
+# by role (dense, expert, engram: the chain_optimizer_by_role patch), so that a checkpoint loads
+# when expert parallelism changes the chain's shape; older checkpoints key it by position.
+ROLE_KEYED_METADATA = {**OPTIMIZER_METADATA, CHAIN_BY_ROLE: True}
 # Engram's parameters sit in each Engram layer's child module ``engram``
 # (models/engram_layer.py), so their sharded keys, and the optimizer-state keys megatron derives
 # from them, contain this part. Keys of a checkpoint can only be told apart by name: the model
@@ -49,12 +54,65 @@ def model_sharded_state_dict(model: list[torch.nn.Module]) -> dict[str, Any]:
     return {f"model{i}": state(chunk) for i, chunk in enumerate(chunks)}
 
 
-def full_sharded_state_dict(model, optimizer, is_loading: bool) -> dict[str, Any]:
+def as_chain(optimizer):
+    """``optimizer`` as a `ChainedOptimizer` (of one, when megatron built a single optimizer),
+    so that every checkpoint keys its optimizer state the same way."""
+    from megatron.core.optimizer import ChainedOptimizer
+
+    return optimizer if isinstance(optimizer, ChainedOptimizer) else ChainedOptimizer([optimizer])
+
+
+def save_metadata() -> dict:
+    """The optimizer metadata new checkpoints are saved with (by role while its patch is on)."""
+    by_role = "chained_optimizer_by_role" in _active()
+    return dict(ROLE_KEYED_METADATA if by_role else OPTIMIZER_METADATA)
+
+
+def saved_metadata(ckpt: Path, chain=None) -> dict:
+    """The optimizer metadata to request ``ckpt``'s optimizer state with: its own content
+    metadata, or for a checkpoint keyed by position, megatron's positional layout, refused when
+    ``chain`` (this run's `ChainedOptimizer`) has another number of optimizers than it saved."""
+    from megatron.core import dist_checkpointing
+
+    common = dist_checkpointing.load_common_state_dict(str(ckpt))
+    content = common.get("content_metadata") or {}
+    if content.get(CHAIN_BY_ROLE):
+        if "chained_optimizer_by_role" not in _active():
+            raise CheckpointError(
+                f"{ckpt} keys its optimizer state by role, which the chained_optimizer_by_role "
+                "patch reads; it is disabled (ENGRAM_DISABLE_PATCHES): enable it to load"
+            )
+        return {**OPTIMIZER_METADATA, **content}
+    saved = common.get("optimizer")
+    if chain is not None and isinstance(saved, dict):
+        count = len(saved) if saved and all(isinstance(k, int) for k in saved) else 1
+        if count != len(chain.chained_optimizers):
+            raise CheckpointError(
+                f"{ckpt} keys its optimizer state by position in megatron's optimizer chain "
+                f"(saved before checkpoints keyed it by role) and has {count} optimizer(s); this "
+                f"run's chain has {len(chain.chained_optimizers)} (megatron keeps expert "
+                "parameters in an optimizer of their own only with expert_model_parallel_size "
+                "> 1). Resume it once with the expert_model_parallel_size it was saved with (1, "
+                "or > 1) and save: the new checkpoint loads under any EP"
+            )
+    return dict(OPTIMIZER_METADATA)
+
+
+def _active() -> list[str]:
+    from engram_train.runtime.patches import active_patches
+
+    return active_patches()
+
+
+def full_sharded_state_dict(model, optimizer, is_loading: bool,
+                            metadata: dict | None = None) -> dict[str, Any]:
+    """The model's (and ``optimizer``'s, a `ChainedOptimizer`) sharded state; ``metadata`` is
+    the optimizer's layout (default: `save_metadata`)."""
     state = model_sharded_state_dict(model)
     if optimizer is not None:
         # The optimizer finds each parameter's sharding in the nested model dicts (all chunks).
         state["optimizer"] = optimizer.sharded_state_dict(
-            dict(state), is_loading=is_loading, metadata=OPTIMIZER_METADATA
+            dict(state), is_loading=is_loading, metadata=metadata or save_metadata()
         )
     return state
 

@@ -53,10 +53,14 @@ class ShortConv(nn.Module):
             return self.norms[0](x[:, :, 0])
         return per_stream_rms_norm(x, self.norms).reshape(seq, batch, streams * width)
 
-    def forward(self, x: torch.Tensor, left_context: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, left_context: torch.Tensor | None = None,
+                document_distance: torch.Tensor | None = None) -> torch.Tensor:
         """x [S, B, G, d] -> [S, B, G, d]. ``left_context`` [left_pad, B, G, d]: the conv input at
         the positions just before x's first one (a split sequence's halo); None is the
-        reference's zero padding (an all-zero context normalizes to zero, the same thing)."""
+        reference's zero padding (an all-zero context normalizes to zero, the same thing).
+        ``document_distance`` [S, B] (int): each position minus the start of its document
+        (``engram_reset_at_eos``); a tap that would read before that start reads zero, as at
+        the sequence's start, so a document's output does not depend on the one before it."""
         seq, batch, streams, width = x.shape
         if left_context is None:
             normed = self.normalize(x)
@@ -66,8 +70,31 @@ class ShortConv(nn.Module):
                 raise ValueError(f"left_context {tuple(left_context.shape)} must be "
                                  f"[{self.left_pad}, B, G, d] for x {tuple(x.shape)}")
             y = self.normalize(torch.cat([left_context, x])).permute(1, 2, 0)
-        y = nn.functional.silu(self.conv(y))
+        if document_distance is None:
+            y = self.conv(y)
+        else:
+            if document_distance.shape != (seq, batch):
+                raise ValueError(f"document_distance {tuple(document_distance.shape)} must be "
+                                 f"[S, B] = [{seq}, {batch}]")
+            y = self._conv_within_documents(y, document_distance)
+        y = nn.functional.silu(y)
         return y.permute(2, 0, 1).reshape(seq, batch, streams, width)
+
+    def _conv_within_documents(self, y: torch.Tensor, distance: torch.Tensor) -> torch.Tensor:
+        """The dilated conv as a sum of its K taps, tap i (lag (K-1-i) x N) masked where the
+        lag reaches before the position's document: y [B, C, pad+S] -> [B, C, S]."""
+        kernel, dilation = self.conv.kernel_size[0], self.conv.dilation[0]
+        seq = y.shape[-1] - self.left_pad
+        weight = self.conv.weight[:, 0, :]  # [C, K]
+        within = distance.transpose(0, 1).unsqueeze(1)  # [B, 1, S]
+        out = None
+        for i in range(kernel):
+            lag = (kernel - 1 - i) * dilation
+            tap = y[:, :, i * dilation : i * dilation + seq] * weight[:, i : i + 1]
+            if lag:
+                tap = tap * (within >= lag).to(tap.dtype)
+            out = tap if out is None else out + tap
+        return out
 
 
 class Engram(nn.Module):
@@ -200,10 +227,13 @@ class Engram(nn.Module):
         hash_ids: torch.Tensor | None = None,
         memory: torch.Tensor | None = None,
         halo=None,
+        document_distance: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """y with hidden's shape; give exactly one of `hash_ids` [S, B, K] or `memory` [S, B, E].
         ``halo`` (``parallel.context.SequenceHalo``): the rows are a split sequence's pieces; the
-        conv of each piece reads its left context from the ranks holding the positions before."""
+        conv of each piece reads its left context from the ranks holding the positions before.
+        ``document_distance`` [S, B] (``engram_reset_at_eos``): the conv's look-back stops at
+        each position's document start (`ShortConv.forward`), the halo's rows included."""
         if (hash_ids is None) == (memory is None):
             raise ValueError("Engram.forward needs exactly one of hash_ids or memory.")
         if memory is None:
@@ -231,16 +261,18 @@ class Engram(nn.Module):
         score = score.abs().clamp_min(GATE_SCORE_FLOOR).sqrt() * score.sign()
         gate = score.sigmoid()  # [S, B, G, 1]
         value = gate * self.value_proj(memory).unsqueeze(2)  # one value projection, G gates
-        y = value + self._conv(value, halo)
+        y = value + self._conv(value, halo, document_distance)
         return y.squeeze(2) if hidden_states.ndim == 3 else y
 
-    def _conv(self, value: torch.Tensor, halo) -> torch.Tensor:
+    def _conv(self, value: torch.Tensor, halo, distance: torch.Tensor | None) -> torch.Tensor:
         """The short conv over the sequence, or over each piece with its exchanged halo."""
         if halo is None:
-            return self.short_conv(value)
+            return self.short_conv(value, document_distance=distance)
         pieces, left = halo.left_contexts(value)
-        return torch.cat([self.short_conv(value[start:end], left[k])
-                          for k, (start, end) in enumerate(pieces)])
+        return torch.cat([
+            self.short_conv(value[start:end], left[k],
+                            document_distance=None if distance is None else distance[start:end])
+            for k, (start, end) in enumerate(pieces)])
 
     def _streams(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[S, B, d] (G == 1) or [S, B, G, d] -> [S, B, G, d], with a clear error otherwise."""

@@ -291,6 +291,25 @@ class NgramHashMapping:
             stacked = stacked[:, 0]
         return stacked if as_numpy else torch.from_numpy(stacked).to(device)
 
+    def hash_block(self, input_ids: np.ndarray | torch.Tensor) -> np.ndarray | torch.Tensor:
+        """What the model takes for a micro-batch [B, T]: `hash_stacked`'s [L, B, T, K] block,
+        and with ``engram_reset_at_eos`` one more slice (index L) holding every position's
+        `document_distance` in each of its K columns: the Engram short conv reads it to stop
+        its look-back at the document start. Computed on the whole sequence, so it splits with
+        the ids under context parallelism."""
+        block = self.hash_stacked(input_ids)
+        if self.eos_id is None:
+            return block
+        ids = np.asarray(input_ids) if not isinstance(input_ids, torch.Tensor) else (
+            input_ids.detach().cpu().numpy())
+        distance = document_distance(ids.reshape(-1, ids.shape[-1]).astype(np.int64, copy=False),
+                                     self.eos_id).reshape(ids.shape)
+        if isinstance(block, torch.Tensor):
+            extra = torch.from_numpy(distance).to(block.device)[None, ..., None]
+            return torch.cat([block, extra.expand(1, *block.shape[1:])])
+        extra = np.broadcast_to(distance[None, ..., None], (1, *block.shape[1:]))
+        return np.concatenate([block, extra])
+
     def _layer_hash(self, shifts: list[np.ndarray], layer_id: int, out: np.ndarray) -> None:
         """Hashes of one layer into head-major `out` [K, B, T]."""
         # Floor mod as x - (x // p) * p, one head at a time: numpy divides by a scalar with

@@ -32,7 +32,10 @@ from transformers import initialization as init
 
 from engram_train.engram.engram_module import Engram
 from engram_train.models.hyper_connection import HyperConnection, HyperHead, scale_index
-from engram_train.inference.incremental_hash import IncrementalNgramHasher
+from engram_train.inference.incremental_hash import (
+    IncrementalNgramHasher,
+    continue_document_distance,
+)
 from engram_train.inference.memory import _StreamingShortConv
 
 MODEL_TYPE = "engram_deepseek_v3"
@@ -119,6 +122,7 @@ class EngramCacheState:
     history: np.ndarray                 # [B, N-1] last compressed ids
     conv: dict[int, torch.Tensor]       # layer -> [B, G*d, (K-1)*N] last normalized values
     tokens: int = 0
+    since_start: np.ndarray | None = None  # [B] next token's place in its document (EOS reset)
 
 
 class HyperConnectionDecoderLayer(DeepseekV3DecoderLayer):
@@ -150,12 +154,13 @@ class _EngramInput:
 
     def _add_engram(self, config: EngramDeepseekV3Config, layer_idx: int) -> None:
         self.engram = Engram(_engram_fields(config), config.hidden_size, layer_idx)
-        self.engram_step: tuple[torch.Tensor, EngramCacheState] | None = None  # set per call
+        # (hash ids, state, document distances [T, B] or None), set per call
+        self.engram_step: tuple[torch.Tensor, EngramCacheState, torch.Tensor | None] | None = None
 
     def engram_output(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Engram(h) for [B, T, d] (or the [B, T, n, d] streams); advances this layer's conv
         state in `engram_step`."""
-        hash_ids, state = self.engram_step
+        hash_ids, state, distance = self.engram_step
         layer = self.engram.layer_id
         conv = self.engram.short_conv
         streaming = _StreamingShortConv(conv)
@@ -163,7 +168,9 @@ class _EngramInput:
         self.engram._modules["short_conv"] = streaming
         try:
             y = self.engram(hidden_states.transpose(0, 1).contiguous(),
-                            hash_ids=hash_ids.to(hidden_states.device))
+                            hash_ids=hash_ids.to(hidden_states.device),
+                            document_distance=None if distance is None else distance.to(
+                                hidden_states.device))
         finally:
             self.engram._modules["short_conv"] = conv
         state.conv[layer] = streaming.state
@@ -255,10 +262,18 @@ class EngramDeepseekV3Model(DeepseekV3Model):
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
         state = self._engram_state(cache, input_ids.shape[0], input_ids.device)
-        hashes = self.engram_hash.hasher().extend(state.history, input_ids.cpu().numpy())
+        hasher = self.engram_hash.hasher()
+        hashes = hasher.extend(state.history, input_ids.cpu().numpy())
+        distance = None
+        if hasher.eos_id is not None:  # the short conv stops at document starts
+            if state.since_start is None:
+                state.since_start = np.zeros(input_ids.shape[0], np.int64)
+            found, state.since_start = continue_document_distance(
+                input_ids.cpu().numpy(), hasher.eos_id, state.since_start)
+            distance = torch.from_numpy(np.ascontiguousarray(found.T))
         for index, layer in enumerate(self.engram_hash.layer_ids):
             block = torch.from_numpy(np.ascontiguousarray(hashes[index].transpose(1, 0, 2)))
-            self.layers[layer].engram_step = (block, state)  # [T, B, K], sequence first
+            self.layers[layer].engram_step = (block, state, distance)  # sequence first
         try:
             output = super().forward(input_ids, *args, cache=cache, use_cache=use_cache, **kwargs)
         finally:

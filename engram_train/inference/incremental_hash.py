@@ -121,3 +121,24 @@ def check_prompt_ids(ids: np.ndarray, num_raw_ids: int) -> None:
         "tokenizer. Tokenize prompts with the export's tokenizer.json "
         "(EngramMemory.check_tokenizer compares a tokenizer file with it)"
     )
+
+
+def continue_document_distance(ids: np.ndarray, eos_id: int, since: np.ndarray
+                               ) -> tuple[np.ndarray, np.ndarray]:
+    """Document distances (position minus its document's start) of new raw ids [B, T] that
+    follow sequences whose next token lies ``since`` [B] tokens after its document's start (0
+    for a new sequence or after an EOS); returns (distances int64 [B, T], the new ``since``).
+    Equals ``engram.ngram_hash.document_distance`` of the whole sequence: a document starts
+    right after an EOS. The short conv stops its look-back there (``engram_reset_at_eos``)."""
+    ids = np.asarray(ids)
+    since = np.asarray(since, dtype=np.int64)
+    batch, seq = ids.shape
+    if seq == 0:
+        return np.empty((batch, 0), dtype=np.int64), since.copy()
+    position = np.arange(seq, dtype=np.int64)
+    after = np.maximum.accumulate(np.where(ids == eos_id, position + 1, 0), axis=1)
+    before = np.zeros_like(after)
+    before[:, 1:] = after[:, :-1]  # the latest start strictly before t (0: none in ids)
+    distance = np.where(before > 0, position - before, since[:, None] + position)
+    last = after[:, -1]
+    return distance, np.where(last > 0, seq - last, since + seq)

@@ -8,7 +8,8 @@ The three stages a serving stack runs per step, in order (docs/export.md, "Servi
    only the touched pages are ever read); `prefetch` does 1 + 2 for every layer and moves the
    rows to the device;
 3. `forward(layer_id, hidden, memory, state)`: the dense part (gate, value, short conv) on the
-   device, continuing each sequence's causal conv from its last (K-1)*N normalized values.
+   device, continuing each sequence's causal conv from its last (K-1)*N normalized values
+   (with ``reset_at_eos``, never reading before a position's document start).
 
 The dense part is `engram_train.engram.engram_module.Engram` itself, loaded from the export, so its
 numerics are the training module's. Tensors are batch-first here ([B, T, d] or [B, T, G, d]);
@@ -42,7 +43,10 @@ from engram_train.export.format import (
     primes_tensor,
 )
 from engram_train.export.safetensors_io import MappedSafetensors
-from engram_train.inference.incremental_hash import IncrementalNgramHasher
+from engram_train.inference.incremental_hash import (
+    IncrementalNgramHasher,
+    continue_document_distance,
+)
 
 TABLE_MEMORY = ("map", "hugepages")
 
@@ -60,12 +64,19 @@ class _StreamingShortConv(nn.Module):
         self.inner = conv
         self.state: torch.Tensor | None = None  # [B, G*d, (K-1)*N], set around each call
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, document_distance: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """``document_distance`` [S, B]: the look-back stops at document starts (the state's
+        values before a start read as zero), as ``ShortConv.forward``."""
         seq, batch, streams, width = x.shape
         normed = self.inner.normalize(x)
         y = torch.cat([self.state, normed.permute(1, 2, 0)], dim=-1)  # [B, G*d, state + S]
         self.state = y[..., y.shape[-1] - self.inner.left_pad:].clone()
-        y = nn.functional.silu(self.inner.conv(y))
+        if document_distance is None:
+            y = self.inner.conv(y)
+        else:
+            y = self.inner._conv_within_documents(y, document_distance)
+        y = nn.functional.silu(y)
         return y.permute(2, 0, 1).reshape(seq, batch, streams, width)
 
 
@@ -76,6 +87,9 @@ class EngramState:
     `history` (int64 [B, N-1]): last compressed ids, oldest first; `conv[layer]`
     ([B, G*d, (K-1)*N] on the device): last normalized values of that layer's short conv.
     `hashed` counts the tokens hashed; `applied[layer]` those the layer has consumed.
+    With ``engram_reset_at_eos``, `since_start` (int64 [B]) is where the next token lies in
+    its document and `distances` (int64 [B, n]) the document distances of the hashed tokens
+    from number `distances_from` on, for the short conv.
     """
 
     history: np.ndarray
@@ -83,6 +97,9 @@ class EngramState:
     pad_id: int
     hashed: int = 0
     applied: dict[int, int] = field(default_factory=dict)
+    since_start: np.ndarray | None = None
+    distances: np.ndarray | None = None
+    distances_from: int = 0
 
     @property
     def batch_size(self) -> int:
@@ -92,6 +109,8 @@ class EngramState:
         """Start new sequences in `slots` (default: all): pad history, zero conv state."""
         index = slice(None) if slots is None else list(slots)
         self.history[index] = self.pad_id
+        if self.since_start is not None:
+            self.since_start[index] = 0
         for conv in self.conv.values():
             conv[index] = 0
 
@@ -99,6 +118,8 @@ class EngramState:
         """Take `other`'s sequence in `other_slot` into `slot` (e.g. a prompt prefilled alone
         joining a decoding batch)."""
         self.history[slot] = other.history[other_slot]
+        if self.since_start is not None and other.since_start is not None:
+            self.since_start[slot] = other.since_start[other_slot]
         for layer, conv in self.conv.items():
             conv[slot] = other.conv[layer][other_slot]
 
@@ -208,8 +229,11 @@ class EngramMemory:
                                   device=self.device, dtype=self._dtype(layer_id))
             for layer_id in self.layer_ids
         }
+        documents = self.hasher.eos_id is not None
         return EngramState(self.hasher.new_history(batch_size), conv, self.hasher.pad_id,
-                           applied={layer_id: 0 for layer_id in self.layer_ids})
+                           applied={layer_id: 0 for layer_id in self.layer_ids},
+                           since_start=np.zeros(batch_size, np.int64) if documents else None,
+                           distances=np.zeros((batch_size, 0), np.int64) if documents else None)
 
     def _dtype(self, layer_id: int) -> torch.dtype:
         return self.layers[str(layer_id)].value_proj.weight.dtype
@@ -226,6 +250,10 @@ class EngramMemory:
         if ids.ndim == 1:
             ids = ids[:, None]
         hashed = self.hasher.extend(state.history, ids)
+        if state.since_start is not None:
+            distance, state.since_start = continue_document_distance(
+                ids, self.hasher.eos_id, state.since_start)
+            state.distances = np.concatenate([state.distances, distance], axis=1)
         state.hashed += ids.shape[1]
         return {layer_id: torch.from_numpy(hashed[i])
                 for i, layer_id in enumerate(self.hasher.layer_ids)}
@@ -291,14 +319,33 @@ class EngramMemory:
         try:
             # Sequence-first and contiguous, as the training module computes it.
             y = module(hidden_states.transpose(0, 1).contiguous(),
-                       memory=memory.to(self.device).transpose(0, 1).contiguous())
+                       memory=memory.to(self.device).transpose(0, 1).contiguous(),
+                       document_distance=self._distances(state, layer_id, steps))
             state.conv[layer_id] = conv.state
         finally:
             conv.state = None
         state.applied[layer_id] += steps
+        self._drop_consumed_distances(state)
         return y.transpose(0, 1)
 
     # -- checks ---------------------------------------------------------------------------
+
+    def _distances(self, state: EngramState, layer_id: int, steps: int) -> torch.Tensor | None:
+        """[S, B] document distances of the layer's next ``steps`` positions (reset at EOS)."""
+        if state.distances is None:
+            return None
+        start = state.applied[layer_id] - state.distances_from
+        window = state.distances[:, start : start + steps]
+        return torch.from_numpy(np.ascontiguousarray(window.T)).to(self.device)
+
+    @staticmethod
+    def _drop_consumed_distances(state: EngramState) -> None:
+        if state.distances is None:
+            return
+        done = min(state.applied.values()) - state.distances_from
+        if done > 0:
+            state.distances = state.distances[:, done:]
+            state.distances_from += done
 
     def check_tokenizer(self, tokenizer_file: str | os.PathLike) -> None:
         """Raise if `tokenizer_file` is not the tokenizer the export was trained with."""

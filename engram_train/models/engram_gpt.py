@@ -25,12 +25,16 @@ import torch
 from megatron.core.models.gpt.gpt_model import GPTModel
 
 
-def check_hash_ids(hash_ids: torch.Tensor, layer_ids: list[int]) -> torch.Tensor:
-    """The ``[L, B, S, K]`` int64 block, checked (one slice per Engram layer)."""
-    if hash_ids.ndim != 4 or hash_ids.shape[0] != len(layer_ids):
+def check_hash_ids(hash_ids: torch.Tensor, layer_ids: list[int], documents: bool = False
+                   ) -> torch.Tensor:
+    """The ``[L, B, S, K]`` int64 block, checked (one slice per Engram layer; with
+    ``documents`` (``engram_reset_at_eos``) it may carry the document slice as slice L,
+    ``NgramHashMapping.hash_block``)."""
+    slices = (len(layer_ids), len(layer_ids) + 1) if documents else (len(layer_ids),)
+    if hash_ids.ndim != 4 or hash_ids.shape[0] not in slices:
         raise ValueError(
-            f"engram_hash_ids must be [{len(layer_ids)}, B, S, K] (one slice per Engram layer, "
-            f"as NgramHashMapping.hash_stacked returns), got {tuple(hash_ids.shape)}"
+            f"engram_hash_ids must be [{' or '.join(map(str, slices))}, B, S, K] (one slice per "
+            f"Engram layer, as NgramHashMapping.hash_block returns), got {tuple(hash_ids.shape)}"
         )
     if hash_ids.dtype != torch.int64:
         raise ValueError(f"engram_hash_ids must be int64, got {hash_ids.dtype}")
@@ -86,8 +90,11 @@ class EngramGPTModel(GPTModel):
                     "ids are hashed on the whole sequence and split with the tokens "
                     "(engram_train.parallel.context.context_parallel_batch)"
                 )
-            engram_hash_ids = self.hash_mapping.hash_stacked(input_ids)  # one copy back
-        block = check_hash_ids(engram_hash_ids, layer_ids)
+            engram_hash_ids = self.hash_mapping.hash_block(input_ids)  # one copy back
+        documents = bool(self.config.engram_reset_at_eos)
+        block = check_hash_ids(engram_hash_ids, layer_ids, documents)
+        if documents and block.shape[0] == len(layer_ids):
+            block = self._with_documents(block, input_ids)
         if input_ids is not None and tuple(block.shape[1:3]) != tuple(input_ids.shape):
             raise ValueError(
                 f"engram_hash_ids {tuple(block.shape)} do not match input_ids "
@@ -110,6 +117,21 @@ class EngramGPTModel(GPTModel):
         finally:
             for layer in layers:  # a recomputed layer (full recompute) looks up again
                 layer.prefetched_lookup = None
+
+    def _with_documents(self, block: torch.Tensor, input_ids: torch.Tensor | None) -> torch.Tensor:
+        """The hash ids plus the document slice computed here from ``input_ids`` (the whole
+        sequence; under context parallelism the data path must supply it)."""
+        if input_ids is None or self.config.context_parallel_size > 1:
+            raise ValueError(
+                "engram_reset_at_eos needs each position's document start for the short conv: "
+                "pass engram_hash_ids from NgramHashMapping.hash_block (the data path does), not "
+                "hash_stacked"
+            )
+        from engram_train.engram.ngram_hash import document_distance
+
+        distance = document_distance(input_ids.detach().cpu().numpy(), self.hash_mapping.eos_id)
+        extra = torch.from_numpy(distance).to(block.device)[None, ..., None]
+        return torch.cat([block, extra.expand(1, *block.shape[1:])])
 
     def _engram_layers(self) -> list:
         from engram_train.models.engram_layer import EngramTransformerLayer

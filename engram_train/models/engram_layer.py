@@ -79,8 +79,10 @@ class EngramTransformerLayer(TransformerLayer):
                     mark_sequence_parallel(module, True)
 
     def engram_branch(self, hidden_states: torch.Tensor, hash_ids: torch.Tensor,
-                      memory: torch.Tensor | None = None) -> torch.Tensor:
-        """Engram output for this rank's hidden slice (``memory``: rows already fetched).
+                      memory: torch.Tensor | None = None,
+                      document_distance: torch.Tensor | None = None) -> torch.Tensor:
+        """Engram output for this rank's hidden slice (``memory``: rows already fetched;
+        ``document_distance`` [S, B]: the conv stops at document starts).
 
         Under context parallelism the rank holds its zigzag chunks, with sequence parallelism
         also only its TP slice of them: the branch runs on exactly these positions (their own
@@ -88,6 +90,8 @@ class EngramTransformerLayer(TransformerLayer):
         halo (``parallel/context.py``), so no TP rank repeats another's work.
         """
         ids = dict(hash_ids=hash_ids) if memory is None else dict(memory=memory)
+        if document_distance is not None:
+            ids["document_distance"] = document_distance
         return self._engram(hidden_states, ids)
 
     def _engram(self, hidden_states: torch.Tensor, ids: dict) -> torch.Tensor:
@@ -106,7 +110,17 @@ class EngramTransformerLayer(TransformerLayer):
     def _hash_ids(self, context: torch.Tensor) -> torch.Tensor:
         """This layer's ids [S, B, K] for the positions this rank holds (its TP slice under
         sequence parallelism; the block is already this CP rank's share)."""
-        ids = context[self.engram_slot].transpose(0, 1)  # sequence first
+        return self._held(context[self.engram_slot].transpose(0, 1))  # sequence first
+
+    def _document_distance(self, context: torch.Tensor) -> torch.Tensor | None:
+        """[S, B] document distances of the positions this rank holds, when the block carries
+        them (slice L, ``engram_reset_at_eos``), else None."""
+        if context.shape[0] <= len(self.config.engram_layer_ids):
+            return None
+        return self._held(context[-1, :, :, 0].transpose(0, 1))
+
+    def _held(self, ids: torch.Tensor) -> torch.Tensor:
+        """The rows of a sequence-first tensor this rank holds (its TP slice under SP)."""
         if not self.sequence_split:
             return ids
         tp = self.pg_collection.tp
@@ -125,7 +139,8 @@ class EngramTransformerLayer(TransformerLayer):
             memory = prefetched[1].wait()  # issued at the chunk's start; used once
             self.prefetched_lookup = None
         hash_ids = self._hash_ids(context)  # [S, B, K], sequence first
-        hidden_states = hidden_states + self.engram_branch(hidden_states, hash_ids, memory)
+        hidden_states = hidden_states + self.engram_branch(
+            hidden_states, hash_ids, memory, self._document_distance(context))
         output, _ = super().forward(hidden_states, *args, context=None, **kwargs)
         return output, context
 

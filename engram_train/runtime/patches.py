@@ -218,6 +218,19 @@ PATCHES: tuple[Patch, ...] = (
         needed=megatron_fixes.no_upstream_hyper_connections,
     ),
     Patch(
+        name="chained_optimizer_by_role",
+        versions=">=0.16.1,<0.20",
+        upstream="optimizer/optimizer.py: ChainedOptimizer.sharded_state_dict and load_state_dict "
+        "key each optimizer's state by its position in the chain (chained_<i>. prefixes, "
+        "integer keys); the chain has an expert optimizer only with expert_model_parallel_size "
+        "> 1, so a checkpoint does not load across EP 1 and EP > 1. With the metadata flag "
+        "megatron_fixes.CHAIN_BY_ROLE the state is keyed by role (dense, expert, engram).",
+        verify="ENGRAM_DISABLE_PATCHES=chained_optimizer_by_role: tests/test_expert_parallel_resume.py "
+        "fails (a checkpoint saved at EP 2 does not load at EP 1: missing optimizer keys)",
+        apply=megatron_fixes.key_chain_by_role,
+        needed=megatron_fixes.chain_keyed_by_position,
+    ),
+    Patch(
         name="embedded_common_state",
         versions=">=0.16.1,<0.19",
         upstream="dist_checkpointing/serialization.py: load() and load_common_state_dict() "
@@ -238,6 +251,7 @@ MEGATRON_FIXES = (
     "distopt_torch_adam_step_on_load",
     "distopt_load_into_fresh_torch_adam",
     "distopt_shared_torch_adam_step",
+    "chained_optimizer_by_role",  # checkpoints that load when the chain changes shape with EP
     "mhc_pipeline_shapes",  # a missing feature rather than a bug: mHC stages exchange n streams
     "embedded_common_state",  # a newer release's checkpoint format, read by an older one
 )

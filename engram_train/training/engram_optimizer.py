@@ -149,6 +149,8 @@ class EngramTableOptimizer(MegatronOptimizer):
     joins the collectives of the grad norm so every rank makes the same calls.
     """
 
+    chain_role = "engram"  # its state's key in a checkpoint's optimizer chain (runtime/megatron_fixes.py)
+
     def __init__(
         self,
         config: OptimizerConfig,

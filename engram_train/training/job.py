@@ -131,7 +131,7 @@ def build(cfg: DictConfig, plan: Plan) -> Job:
         num_micro=t.global_batch_size // (t.micro_batch_size * dp_size), is_logger=is_logging_rank(),
         train_ds=train_ds, valid_ds=valid_ds,
         # one [L, B, S, K] block per micro-batch (models/engram_gpt.py)
-        hash_fn=plan.hash_mapping.hash_stacked if plan.hash_mapping is not None else None,
+        hash_fn=plan.hash_mapping.hash_block if plan.hash_mapping is not None else None,
         model=model, optimizer=optimizer, scheduler=scheduler, space_estimate=space_estimate,
         signals=signals,
     )  # fmt: skip

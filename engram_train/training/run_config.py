@@ -100,6 +100,13 @@ def validate_run_config(cfg, world_size: int, check_data: bool = True):
     for key in ("log_interval", "eval_interval"):
         if t[key] is not None and t[key] < 1:
             raise ConfigError(f"train.{key}={t[key]} must be >= 1 (or null to disable)")
+    if _get(cfg.data, "reset_attention_mask", False):
+        raise ConfigError(
+            "data.reset_attention_mask=true is not supported: the trainer's attention (local and "
+            "Transformer Engine) runs causal without a per-document mask, so documents would "
+            "still attend to earlier ones. Set data.reset_attention_mask=false; for Engram's "
+            "document boundaries set model.engram_reset_at_eos=true (with model.engram_eos_id)"
+        )
     threads = _get(cfg.data, "hash_threads", 1)
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
         raise ConfigError(f"data.hash_threads={threads!r} must be an int >= 1")
