@@ -33,6 +33,7 @@ EXPECTED_FIXES = {
         "distopt_shared_torch_adam_step",
         "blended_dataset_without_process_group",
         "mhc_pipeline_shapes",
+        "chained_optimizer_by_role",
         "embedded_common_state",
     ],
     "0.19.2": [
@@ -40,6 +41,7 @@ EXPECTED_FIXES = {
         "distopt_load_into_fresh_torch_adam",
         "distopt_shared_torch_adam_step",
         "mhc_pipeline_shapes",
+        "chained_optimizer_by_role",
     ],
 }
 NON_CPU = [p.name for p in patches.PATCHES if p.name not in patches.CPU_PATCHES]
@@ -228,8 +230,8 @@ def test_initialize_distributed_applies_and_logs_the_active_patches_once():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     version = megatron_core_version()
-    expected = ["cpu_cuda_redirects", "cpu_rng_tracker"] + [
-        n for n in EXPECTED_FIXES[version] if n in patches.MEGATRON_FIXES
+    expected = ["cpu_cuda_redirects", "cpu_rng_tracker"] + [  # in the order they are applied
+        n for n in patches.MEGATRON_FIXES if n in EXPECTED_FIXES[version]
     ]
     lines = proc.stdout.splitlines()
     assert f"ACTIVE {','.join(expected)}" in lines
