@@ -177,11 +177,13 @@ def test_engram_27b_on_64_h200_from_the_meta_device():
 
 def test_a_plan_that_does_not_fit_names_its_largest_items_and_fields():
     proc = plan_cli("model=engram_27b", "system.precision=bf16", "train.global_batch_size=8",
+                    "train.micro_batch_size=1",
                     "model.engram_embedding_parallel_size=8", "--vocab-size", "129280",
                     "--nproc-per-node", "8", "--device-memory", "141GiB", "--host-memory", "2TiB")
     assert "fits: NO" in proc.stdout
     assert "model.engram_embedding_parallel_size" in proc.stdout or "system.expert_model_parallel_size" in proc.stdout
     as_json = json.loads(plan_cli("model=engram_27b", "system.precision=bf16", "train.global_batch_size=8",
+                                  "train.micro_batch_size=1",
                                   "model.engram_embedding_parallel_size=8", "--vocab-size", "129280",
                                   "--nproc-per-node", "8", "--device-memory", "141GiB", "--json").stdout)
     assert as_json["fits"] is False and as_json["largest"][0]["change"]

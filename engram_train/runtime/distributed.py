@@ -109,16 +109,19 @@ def initialize_distributed(
     apply_megatron_fixes()
 
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
         rank = int(os.environ.setdefault("RANK", "0"))
         world = int(os.environ.setdefault("WORLD_SIZE", "1"))
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        # One process rendezvous with nobody: an in-memory store, no port. (A port written to
+        # MASTER_PORT would be inherited by every child process, whose own single-process
+        # init would then find it taken by this one.)
+        store = dist.HashStore() if world == 1 else None
         dist.init_process_group(
             backend="nccl" if cuda else "gloo",
             rank=rank,
             world_size=world,
+            store=store,
             timeout=datetime.timedelta(minutes=timeout_minutes),
         )
     else:  # another layout in the same process: the previous layout's groups are released
@@ -183,11 +186,3 @@ def destroy_distributed() -> None:
     parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
