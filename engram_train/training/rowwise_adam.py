@@ -68,14 +68,20 @@ class RowwiseAdam(RowOptimizer):
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """torch casts loaded state to each parameter's dtype: put the moments back in theirs."""
+        """torch casts loaded state to each parameter's dtype: for bf16 tables without a master
+        that would round the float32 moments through bf16, so the saved moments are put back
+        as they were saved, in their own dtypes."""
+        saved = {pid: {k: s[k] for k in ("exp_avg", "exp_avg_sq_row") if k in s}
+                 for pid, s in state_dict["state"].items()}
+        ids = [pid for group in state_dict["param_groups"] for pid in group["params"]]
         super().load_state_dict(state_dict)
-        for param in self.params():
-            state = self.state[param]
-            if "exp_avg" in state:
-                state["exp_avg"] = state["exp_avg"].to(self.moment_dtype)
-                # a checkpoint stores the row vector as a [rows, 1] column
-                state["exp_avg_sq_row"] = state["exp_avg_sq_row"].to(torch.float32).reshape(-1)
+        for pid, param in zip(ids, self.params()):
+            state, moments = self.state[param], saved.get(pid, {})
+            if "exp_avg" in moments:
+                state["exp_avg"] = moments["exp_avg"].to(param.device, self.moment_dtype, copy=True)
+            if "exp_avg_sq_row" in moments:  # a checkpoint stores it as a [rows, 1] column
+                state["exp_avg_sq_row"] = moments["exp_avg_sq_row"].to(
+                    param.device, torch.float32, copy=True).reshape(-1)
 
     def _store(self, target: torch.Tensor, rows: torch.Tensor, values: torch.Tensor,
                param: torch.Tensor, step: float, stream: int) -> None:
