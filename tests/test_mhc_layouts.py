@@ -17,7 +17,8 @@ LAYOUTS = ["pp2vpp2", "pp2_full_recompute", "dp4_selective_recompute", "ep2_eps4
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return torchrun("hyper_connections.py", 4, tmp_path_factory.mktemp("hyper_connections"))
+    return torchrun("hyper_connections.py", 4, tmp_path_factory.mktemp("hyper_connections"),
+                    timeout=1800)
 
 
 def last_stage(results, key):
