@@ -171,11 +171,15 @@ def next_step_rows(model_chunks, microbatches) -> dict[int, torch.Tensor]:
     return rows
 
 
+def overlapping_parts(optimizer) -> list:
+    """The parts of ``optimizer`` (a chain or itself) that overlap a host table update."""
+    return [part for part in getattr(optimizer, "chained_optimizers", [optimizer])
+            if getattr(part, "overlap", False)]
+
+
 def prioritize_next_step(model_chunks, optimizer, microbatches) -> None:
     """Tell the Engram table optimizer in ``optimizer`` (a chain or itself) which rows the next
     step reads, so an overlapped host update changes them first."""
-    parts = getattr(optimizer, "chained_optimizers", [optimizer])
-    for part in parts:
-        if getattr(part, "overlap", False):
-            rows = next_step_rows(model_chunks, microbatches)
-            part.prioritize_rows([rows.get(id(p)) for p in part.model_params])
+    for part in overlapping_parts(optimizer):
+        rows = next_step_rows(model_chunks, microbatches)
+        part.prioritize_rows([rows.get(id(p)) for p in part.model_params])

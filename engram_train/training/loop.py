@@ -19,6 +19,7 @@ from engram_train.runtime import destroy_distributed
 from engram_train.training.divergence import SUSPECT, DivergenceError, guard_from_config, stop_message
 from engram_train.training.engram_timing import EngramStepTimes
 from engram_train.training.faults import NonFiniteTrainingError, SkipNonFiniteUpdate, StopCheck
+from engram_train.training.host_update import overlapping_parts
 from engram_train.training.job import Job
 from engram_train.training.resume import Progress
 from engram_train.training.step import evaluate, train_step
@@ -169,11 +170,6 @@ def _say_exit(job: Job, progress: Progress, stop) -> None:
         log.warning("%s: %s; exiting", reason, saved)
 
 
-def _overlaps_host_update(optimizer) -> bool:
-    """Whether a part of ``optimizer`` (a chain or itself) overlaps a host table update."""
-    return any(getattr(part, "overlap", False) for part in getattr(optimizer, "chained_optimizers", [optimizer]))
-
-
 def train(job: Job, progress: Progress) -> dict:
     """The optimizer steps, logging, evaluation and checkpoints; returns the last record."""
     t, c = job.cfg.train, job.cfg.checkpoint
@@ -186,7 +182,7 @@ def train(job: Job, progress: Progress) -> dict:
     stop, abnormal = None, False
     # An overlapped host table update changes the rows the next step reads first: it needs
     # that step's micro-batches (hash ids included) before this step's optimizer step.
-    look_ahead = _overlaps_host_update(job.optimizer)
+    look_ahead = bool(overlapping_parts(job.optimizer))
     upcoming = None
     try:
         while progress.iteration < t.train_iters:

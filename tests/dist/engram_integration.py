@@ -41,6 +41,13 @@ ENGRAM = dict(
     n_head_per_ngram=4,
 )
 
+# A 2-layer MoE of small width, for launches that build many models (resume across layouts).
+SMALL = dict(
+    num_layers=2, hidden_size=32, num_attention_heads=2, ffn_hidden_size=64, q_lora_rank=16,
+    kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=8, moe_ffn_hidden_size=16,
+    moe_shared_expert_intermediate_size=16,
+)
+
 
 def engram_config(layout: ParallelSizes, layer_ids, sp=False, **overrides):
     cfg = tiny_config(

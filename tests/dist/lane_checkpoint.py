@@ -21,14 +21,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 from common import SEQ, VOCAB, parse_args, repeated_batches, write_result
-from engram_integration import engram_config
+from engram_integration import SMALL, engram_config
 
 FIXTURES = Path(__file__).resolve().parents[1] / "data" / "lane_checkpoints"
-SMALL = dict(
-    num_layers=2, hidden_size=32, num_attention_heads=2, ffn_hidden_size=64, q_lora_rank=16,
-    kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=8, moe_ffn_hidden_size=16,
-    moe_shared_expert_intermediate_size=16,
-)
 GLOBAL_BATCH = 4
 SAVED_AT = 2
 RESUMED_STEPS = 2
