@@ -25,6 +25,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from packaging.version import Version
 
+from engram_train.checkpoint.lock import LOCK_FILE
 from engram_train.runtime import megatron_core_version
 
 from damage import corrupt
@@ -548,5 +549,6 @@ def test_disk_full_is_reported_as_such_and_loses_nothing(tmp_path):
     assert "not enough free space to save iteration 4" in checked and "Nothing was written" in checked
     assert "saving iteration 4 to" in unchecked and "no space left on device" in unchecked
     assert "The partial iter_0000004.tmp was removed; the newest complete checkpoint is still iter_0000002" in unchecked
-    assert (out / "listing").read_text().split() == [".", "..", "iter_0000002", TRACKER]
+    # the folder lock of the run (checkpoint/lock.py) stays, as any lock file does
+    assert (out / "listing").read_text().split() == [".", "..", LOCK_FILE, "iter_0000002", TRACKER]
     assert (out / "tracker").read_text() == "2" and (out / "problems").read_text().strip() == "[]"

@@ -33,6 +33,7 @@ from common import SEQ, VOCAB, parse_args, repeated_batches, tiny_config, write_
 from engram_integration import engram_config
 
 from engram_train.runtime import ParallelSizes, initialize_distributed
+from engram_train.runtime.distributed import set_seed
 
 from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.dict_utils import nested_values
@@ -53,9 +54,18 @@ B = ParallelSizes(tensor=2)
 GLOBAL_BATCH = 4
 
 
+_current_layout = [None]
+
+
 def setup(layout: ParallelSizes, use_engram: bool, seed: int):
-    parallel_state.destroy_model_parallel()
-    initialize_distributed(layout, seed=seed)
+    """Build a model and optimizer under ``layout``. Models of one layout live side by side (the
+    add/remove checks compare them), so the layout is initialized only when it changes: a new
+    layout releases the previous one's process groups, which its optimizers hold."""
+    if _current_layout[0] != layout:
+        initialize_distributed(layout, seed=seed)
+        _current_layout[0] = layout
+    else:
+        set_seed(seed)
     sp = layout.tensor > 1
     if use_engram:
         config = engram_config(layout, [3, 1], sp=sp)  # unsorted on purpose: kept sorted
@@ -284,8 +294,8 @@ def stop_check_shares_the_loss(result):
 def main():
     args = parse_args()
     result = {}
-    parallel_state.destroy_model_parallel()
     initialize_distributed(A, seed=1)
+    _current_layout[0] = A
     root = shared_root()
     model, optimizer = add_engram(result, root)
     remove_engram(result, root, model, optimizer)
