@@ -18,6 +18,7 @@ import re
 import pytest
 import torch
 
+from engram_train.models import hyper_connection
 from engram_train.models.hyper_connection import HyperConnection, HyperHead, mixing_weights
 
 S, B, H = 3, 2, 16  # sequence, micro-batch and hidden sizes: small, the math is per token
@@ -481,10 +482,14 @@ def _sublayer_run(hc, lin, x0, recompute):
     return [out.detach(), x.grad, hc.fn.grad, hc.base.grad, hc.scale.grad, lin.weight.grad]
 
 
-@pytest.mark.parametrize("h", [16, 256])  # both write-back paths (broadcast, batched)
-def test_recompute_gives_the_same_numbers(h):
+@pytest.mark.parametrize("h,chunk", [(16, None), (256, None), (16, 4 * 16 * B)])
+def test_recompute_gives_the_same_numbers(h, chunk, monkeypatch):
     """The recomputed mapping and the hand-written write-back backward equal autograd through
-    the stored mapping (float32: to rounding)."""
+    the stored mapping (float32: to rounding); both write-back paths (broadcast, batched), and
+    the recompute in chunks of one position."""
+    if chunk is not None:
+        monkeypatch.setitem(hyper_connection.RECOMPUTE_CHUNK_ELEMENTS, "cpu", chunk)
+        assert len(hyper_connection._token_chunks(torch.empty(S, B, 4, h))) == S > 1
     torch.manual_seed(3)
     hc = HyperConnection(h, 4)
     with torch.no_grad():  # away from the init so every gradient is large
@@ -553,6 +558,30 @@ def test_recompute_keeps_only_x_and_the_sublayer_output(n):
     assert recomputed <= bound, (recomputed, bound)
     assert recomputed == bound  # X and y are needed: the bound is tight
     assert saved_bytes_per_token(n, h, torch.bfloat16, False) > 4 * bound
+
+
+def test_head_recompute_keeps_only_x_and_gives_the_same_numbers():
+    """HyperHead with ``recompute``: the backward keeps X (bf16) and the small weights only, not
+    the float32 copy of the streams and its normalization, and computes the same output and
+    gradients (X, hc_fn, hc_base, hc_scale) bit for bit."""
+    n, h, s, b = 4, 64, 32, 2
+    head = HyperHead(h, n)
+    randomize_head(head, seed=5)
+    x0 = torch.randn(s, b, n, h, dtype=torch.bfloat16)
+    runs = []
+    for recompute in (False, True):
+        head.zero_grad()
+        x = x0.clone().requires_grad_()
+        counter = SavedBytes(head.parameters())
+        with counter:
+            out = head(x, recompute=recompute)
+        (out.float().square() * torch.linspace(0.5, 1.5, h)).sum().backward()
+        runs.append((counter.total / (s * b), [out, x.grad, *(p.grad for p in head.parameters())]))
+    (stored_bytes, stored), (kept_bytes, recomputed) = runs
+    assert kept_bytes <= n * h * 2 + 8 * n, kept_bytes  # X in bf16, w and its bf16 copy
+    assert stored_bytes >= n * h * 2 + 2 * n * h * 4, stored_bytes  # + float32 copy + normalized
+    for a, c in zip(stored, recomputed):
+        assert torch.equal(a, c)
 
 
 def _growth(weights, sublayers=100, n=4, h=64):

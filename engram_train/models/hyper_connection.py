@@ -20,6 +20,7 @@ import math
 import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
+from torch.utils.checkpoint import checkpoint
 
 HC_EPS = 1e-6
 """``eps_hc``: added to H_pre, C and the Sinkhorn denominators (DeepSeek-V4)."""
@@ -131,42 +132,59 @@ def mix_streams(x: torch.Tensor, y: torch.Tensor, h_post: torch.Tensor, c: torch
     n, h = x.shape[2], x.shape[3]
     h_post, d = mixing_weights(h_post, c, x.dtype)
     y = y.to(x.dtype)
-    out = torch.addcmul(x, h_post.unsqueeze(-1), y.unsqueeze(-2))
     if x.is_cuda or h >= BATCHED_MIX_MIN_HIDDEN:  # one batched [n, n] @ [n, h] per token
-        return out + torch.matmul(d.transpose(-1, -2), x)
+        # accumulated in place into the product: one stream-sized allocation, the output
+        out = torch.matmul(d.transpose(-1, -2), x)
+        return out.add_(x).addcmul_(h_post.unsqueeze(-1), y.unsqueeze(-2))
+    out = torch.addcmul(x, h_post.unsqueeze(-1), y.unsqueeze(-2))
     for j in range(n):  # n broadcast multiply-adds: faster than the GEMMs for small h on CPU
-        out = torch.addcmul(out, d[..., j, :].unsqueeze(-1), x[:, :, j : j + 1])
+        out.addcmul_(d[..., j, :].unsqueeze(-1), x[:, :, j : j + 1])
     return out
+
+
+RECOMPUTE_CHUNK_ELEMENTS = {"cpu": 2**20, "cuda": 2**25}
+"""Stream elements (``s x b x n x h``) per chunk of the recomputed mapping, by device: its
+float32 copies of the streams (``x.float()``, the normalized input, their gradients) exist for
+one chunk at a time, not the whole sequence (on the CPU they would otherwise be the largest
+transient of a sublayer's backward; on CUDA the chunk only bounds them, few kernel launches)."""
+
+
+def _token_chunks(x: torch.Tensor) -> list[slice]:
+    """Slices of the sequence dim of ``X [s, b, n, h]``, about ``RECOMPUTE_CHUNK_ELEMENTS``
+    elements each (the mapping is per token: chunks are independent)."""
+    budget = RECOMPUTE_CHUNK_ELEMENTS["cuda" if x.is_cuda else "cpu"]
+    rows = max(1, budget // max(1, x[0].numel()))
+    return [slice(i, min(i + rows, x.shape[0])) for i in range(0, x.shape[0], rows)]
+
+
+def _mapping_values(hc: "HyperConnection", x: torch.Tensor, params) -> tuple:
+    """``(H_pre, H_post, C)`` from X without a graph, chunk by chunk."""
+    with torch.no_grad():
+        parts = [hc.mapping(x[chunk], *params) for chunk in _token_chunks(x)]
+    return tuple(torch.cat(values) for values in zip(*parts))
 
 
 class _MappingState:
     """What the two halves of a recomputed sublayer hand each other: the forward's ``H_post``
-    and ``C`` (collapse -> write-back, dropped once used) and the backward's recomputed mapping
-    and its output gradients (write-back -> collapse), so the mapping runs once in the forward
-    and once more in the backward."""
+    and ``C`` (collapse -> write-back, dropped once used) and, in the backward, the gradients
+    of ``H_post`` and ``C`` (write-back -> collapse)."""
 
-    __slots__ = ("h_post", "c", "graph", "grads")
+    __slots__ = ("h_post", "c", "grads")
 
     def __init__(self) -> None:
-        self.h_post = self.c = self.graph = self.grads = None
-
-
-def _recompute_mapping(hc: "HyperConnection", x: torch.Tensor, params) -> tuple:
-    """The mapping from X again, with its graph: ``(leaves, (h_pre, h_post, c))``."""
-    with torch.enable_grad():
-        leaves = [x.detach().requires_grad_()] + [p.detach().requires_grad_() for p in params]
-        return leaves, hc.mapping(*leaves)
+        self.h_post = self.c = self.grads = None
 
 
 class _CollapseRecomputed(torch.autograd.Function):
     """``u = sum_j H_pre[j] X[j]`` saving only X (and the parameters): the backward recomputes
-    the mapping (norm, logits, gates, Sinkhorn) and back-propagates the gradients of all three
-    mappings, ``H_post`` and ``C``'s handed over by ``_WriteBackRecomputed``."""
+    the mapping (norm, logits, gates, Sinkhorn) chunk by chunk with its graph and
+    back-propagates the gradients of all three mappings (``H_post`` and ``C``'s handed over by
+    ``_WriteBackRecomputed``) to X and the parameters."""
 
     @staticmethod
     def forward(ctx, x, fn, base, scale, hc, state):
+        h_pre, state.h_post, state.c = _mapping_values(hc, x, (fn, base, scale))
         with torch.no_grad():
-            h_pre, state.h_post, state.c = hc.mapping(x, fn, base, scale)
             u = weighted_stream_sum(h_pre.to(x.dtype), x)
         ctx.save_for_backward(x, fn, base, scale)
         ctx.hc, ctx.state = hc, state
@@ -176,25 +194,32 @@ class _CollapseRecomputed(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_u):
         x, *params = ctx.saved_tensors
-        state = ctx.state
-        leaves, (h_pre, h_post, c) = state.graph or _recompute_mapping(ctx.hc, x, params)
-        state.graph = None
+        handed, ctx.state.grads = ctx.state.grads, None
         grad_u = grad_u.to(x.dtype)
-        grad_x = h_pre.detach().to(x.dtype).unsqueeze(-1) * grad_u.unsqueeze(2)
-        outputs, grads = [h_pre], [(grad_u.unsqueeze(2) * x).sum(-1).float()]
-        if state.grads is not None:
-            outputs += [h_post, c]
-            grads += state.grads
-            state.grads = None
-        mapped = torch.autograd.grad(outputs, leaves, grads, allow_unused=True)
-        grad_x = grad_x + mapped[0].to(x.dtype)
-        return (grad_x, *mapped[1:], None, None)
+        leaves = [p.detach().requires_grad_() for p in params]
+        grad_x = torch.empty_like(x)
+        grad_params: list[torch.Tensor | None] = [None] * len(params)
+        for chunk in _token_chunks(x):
+            x_chunk, g_u = x[chunk].detach().requires_grad_(), grad_u[chunk].unsqueeze(2)
+            with torch.enable_grad():
+                h_pre, h_post, c = ctx.hc.mapping(x_chunk, *leaves)
+            outputs, grads = [h_pre], [(g_u * x_chunk.detach()).sum(-1).float()]
+            if handed is not None:
+                outputs += [h_post, c]
+                grads += [g[chunk] for g in handed]
+            mapped = torch.autograd.grad(outputs, [x_chunk, *leaves], grads, allow_unused=True)
+            grad_x[chunk] = h_pre.detach().to(x.dtype).unsqueeze(-1) * g_u + mapped[0].to(x.dtype)
+            for i, g in enumerate(mapped[1:]):
+                if g is not None:
+                    grad_params[i] = g if grad_params[i] is None else grad_params[i] + g
+        return (grad_x, *grad_params, None, None)
 
 
 class _WriteBackRecomputed(torch.autograd.Function):
-    """``mix_streams`` saving only X and y: the backward recomputes the mapping once (kept for
-    ``_CollapseRecomputed``'s backward, which runs next), and writes the mix's gradients by
-    hand (the ones autograd forms for ``mix_streams``)."""
+    """``mix_streams`` saving only X and y: the backward recomputes ``H_post`` and ``C`` without
+    a graph, writes the mix's gradients by hand (the ones autograd forms for ``mix_streams``)
+    and hands those of ``H_post`` and ``C`` to ``_CollapseRecomputed``'s backward, which runs
+    after the sublayer's and recomputes the mapping with its graph."""
 
     @staticmethod
     def forward(ctx, x, y, hc, state):
@@ -210,12 +235,11 @@ class _WriteBackRecomputed(torch.autograd.Function):
     def backward(ctx, grad):
         x, y = ctx.saved_tensors
         hc, state = ctx.hc, ctx.state
-        state.graph = _recompute_mapping(hc, x, (hc.fn, hc.base, hc.scale))
-        _, (_, h_post, c) = state.graph
+        _, h_post, c = _mapping_values(hc, x, (hc.fn, hc.base, hc.scale))
         dtype = x.dtype
         grad = grad.to(dtype)
-        hp, d = mixing_weights(h_post.detach(), c.detach(), dtype)
-        grad_x = grad + torch.matmul(d, grad)  # dX[j] = g[j] + sum_k (C - I)[j, k] g[k]
+        hp, d = mixing_weights(h_post, c, dtype)
+        grad_x = torch.matmul(d, grad).add_(grad)  # dX[j] = g[j] + sum_k (C - I)[j, k] g[k]
         grad_y = (hp.unsqueeze(-1) * grad).sum(2)
         state.grads = [(grad * y.to(dtype).unsqueeze(2)).sum(-1).float(),
                        torch.matmul(x, grad.transpose(-1, -2)).float()]
@@ -318,11 +342,20 @@ class HyperHead(nn.Module):
         self.hc_scale.fill_(gating_factor)
         self.hc_base.fill_(-math.log(self.num_streams - 1))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``X [s, b, n, h]`` -> ``[s, b, h]`` in X's dtype."""
-        _check_streams(x, self.num_streams, self.hidden_size, "HyperHead")
+    def weights(self, x: torch.Tensor) -> torch.Tensor:
+        """``w [s, b, n]`` in float32 from the streams."""
         s, b, n, h = x.shape
         r = unweighted_rms_norm(x.reshape(s, b, n * h).float(), self.norm_eps)
-        w = torch.sigmoid(self.hc_scale.float() * nn.functional.linear(r, self.hc_fn.float())
-                          + self.hc_base.float()) + self.eps
+        return torch.sigmoid(self.hc_scale.float() * nn.functional.linear(r, self.hc_fn.float())
+                             + self.hc_base.float()) + self.eps
+
+    def forward(self, x: torch.Tensor, recompute: bool = False) -> torch.Tensor:
+        """``X [s, b, n, h]`` -> ``[s, b, h]`` in X's dtype. With ``recompute`` the backward
+        keeps X alone and computes ``w`` again (otherwise the float32 copy of the streams and
+        its normalization, two float32 ``[s, b, n*h]`` tensors, are kept)."""
+        _check_streams(x, self.num_streams, self.hidden_size, "HyperHead")
+        if recompute and torch.is_grad_enabled():
+            w = checkpoint(self.weights, x, use_reentrant=False)
+        else:
+            w = self.weights(x)
         return weighted_stream_sum(w.to(x.dtype), x)

@@ -40,7 +40,7 @@ def expand_streams(x: torch.Tensor, num_streams: int) -> torch.Tensor:
 
 def _collapse_before_norm(head: HyperHead, _norm, args):
     (hidden_states, *rest) = args
-    return (head(split_streams(hidden_states, head.num_streams)), *rest)
+    return (head(split_streams(hidden_states, head.num_streams), recompute=head.recompute), *rest)
 
 
 class HyperConnectionModelMixin:
@@ -63,6 +63,7 @@ class HyperConnectionModelMixin:
                                       std=config.init_method_std)
             mark_sequence_parallel(head, config.sequence_parallel)
             keep_float32(head)
+            head.recompute = "mhc" in (config.recompute_modules or [])  # as the layers' mappings
             self.decoder.hc_head = head
             self.decoder.final_layernorm.register_forward_pre_hook(
                 lambda norm, args: _collapse_before_norm(self.decoder.hc_head, norm, args)
