@@ -290,7 +290,8 @@ def import_hf(hf: str | Path, out: str | Path, *, tokenizer: str | Path | None =
     for warning in warnings if dist.get_rank() == 0 else []:
         log(f"warning: {warning}")
     save_checkpoint(out, 0, model, None,
-                    extra={"consumed_samples": 0, "imported_from": str(hf.resolve())},
+                    extra={"consumed_samples": 0, "imported_from": str(hf.resolve()),
+                           "run_config": OmegaConf.to_container(cfg, resolve=True)},
                     run_identity=run_identity(config, vocab))
     shard = sum(p.numel() for chunk in model for p in chunk.parameters())
     memory = {"rank": dist.get_rank(), "shard_parameters": shard, "peak_rss": peak_rss_bytes(),
