@@ -111,16 +111,16 @@ def test_streamed_distances_and_conv_equal_the_whole_sequence():
     torch.testing.assert_close(torch.cat(outputs), whole, rtol=1e-6, atol=1e-6)
 
 
-def test_hugging_face_class_stops_the_conv_at_document_starts():
-    """Engram on layer 0 reads the embeddings, which do not depend on context: its output on a
-    document is the same whatever document came before, and the cached decoding agrees."""
-    transformers = pytest.importorskip("transformers")
+def _hugging_face_model(vocab: int):
+    """A small EngramDeepseekV3ForCausalLM with Engram (reset at EOS) on layer 0, its table,
+    conv and value projection off zero; the model and its Engram module."""
     from engram_train.hf.modeling import EngramDeepseekV3Config, EngramDeepseekV3ForCausalLM
 
-    vocab = 64
     engram = _config(engram_layer_ids=[0])
+    mapping = _mapping(engram)
     fields = {name: getattr(engram, name) for name in EngramConfig.field_names()}
-    fields.update(num_raw_ids=vocab, compressed_pad_id=0)
+    fields.update(num_raw_ids=vocab, compressed_pad_id=0,
+                  table_rows={"0": int(np.sum(mapping.primes[0]))})
     config = EngramDeepseekV3Config(
         engram=fields, vocab_size=vocab, hidden_size=32, intermediate_size=64,
         moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
@@ -130,16 +130,27 @@ def test_hugging_face_class_stops_the_conv_at_document_starts():
         num_nextn_predict_layers=0)
     torch.manual_seed(4)
     model = EngramDeepseekV3ForCausalLM(config).eval()
-    mapping = _mapping(engram)
     hash_module = model.model.engram_hash
     with torch.no_grad():
         hash_module.lookup.copy_(torch.arange(vocab))
         hash_module.multipliers_0.copy_(torch.from_numpy(mapping.multipliers[0]))
         hash_module.primes_0.copy_(torch.from_numpy(np.asarray(mapping.primes[0])))
         layer = model.model.layers[0].engram
+        layer.multi_head_embedding.weight.normal_(0.0, 1.0)
+        layer.multi_head_embedding.offsets.copy_(torch.from_numpy(mapping.offsets[0]))
         layer.short_conv.conv.weight.normal_(0.0, 1.0)
         layer.value_proj.weight.normal_(0.0, 0.5)
     hash_module._hasher = None
+    return model, layer
+
+
+def test_hugging_face_class_stops_the_conv_at_document_starts():
+    """Engram on layer 0 reads the embeddings, which do not depend on context: its output on a
+    document is the same whatever document came before, and the cached decoding agrees."""
+    transformers = pytest.importorskip("transformers")
+    vocab = 64
+    model, layer = _hugging_face_model(vocab)
+    config = model.config
     outputs = []
     layer.register_forward_hook(lambda mod, args, out: outputs.append(out.detach().clone()))
     second = torch.randint(8, vocab, (1, 12))
@@ -160,3 +171,37 @@ def test_hugging_face_class_stops_the_conv_at_document_starts():
         for t in range(7, ids.shape[1]):
             model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
     torch.testing.assert_close(torch.cat(outputs)[10:], runs[1], rtol=1e-5, atol=1e-6)
+
+
+def test_hugging_face_left_padded_batch_with_documents_decodes_each_row_as_alone():
+    """Left padding and the reset at EOS together: a row's pads are left out of its document
+    distances as of its n-gram history, so each row of a left-padded batch whose prompts hold
+    EOS gives the logits and the greedy continuation it gives alone."""
+    pytest.importorskip("transformers")
+    vocab = 64
+    model, _ = _hugging_face_model(vocab)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(8, vocab, (1, n), generator=g) for n in (5, 14)]
+    prompts[0][0, 2] = EOS
+    prompts[1][0, 4] = EOS
+    prompts[1][0, 11] = EOS
+    width = max(p.shape[1] for p in prompts)
+    batch = torch.full((2, width), EOS, dtype=torch.long)  # pads are EOS: they must not count
+    mask = torch.zeros(2, width, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        batch[row, width - prompt.shape[1]:] = prompt
+        mask[row, width - prompt.shape[1]:] = 1
+    with torch.no_grad():
+        padded = model(batch, attention_mask=mask, use_cache=False).logits
+        for row, prompt in enumerate(prompts):
+            alone = model(prompt, use_cache=False).logits[0]
+            torch.testing.assert_close(padded[row, width - prompt.shape[1]:], alone,
+                                       rtol=1e-5, atol=1e-5)
+    for use_cache in (True, False):
+        together = model.generate(batch, attention_mask=mask, max_new_tokens=10,
+                                  min_new_tokens=10, do_sample=False, use_cache=use_cache,
+                                  pad_token_id=2)
+        for row, prompt in enumerate(prompts):
+            alone = model.generate(prompt, max_new_tokens=10, min_new_tokens=10,
+                                   do_sample=False, use_cache=use_cache, pad_token_id=2)
+            assert torch.equal(together[row, width:], alone[0, prompt.shape[1]:]), (row, use_cache)

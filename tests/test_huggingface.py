@@ -79,7 +79,7 @@ def hf_source(tmp_path_factory):
     with torch.no_grad():
         logits = model(ids[:, :-1]).logits
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
-    torch.save({"ids": ids, "loss": float(loss)}, root / "batch.pt")
+    torch.save({"ids": ids, "loss": float(loss), "logits": logits}, root / "batch.pt")
     return SimpleNamespace(root=root, hf=root / "hf", batch=root / "batch.pt", loss=float(loss))
 
 
@@ -110,10 +110,23 @@ def imported_pp2(hf_source):
 
 
 @pytest.fixture(scope="module")
-def parity(hf_source, imported, imported_pp2):
+def imported_tp2ep2(hf_source):
+    """The same folder imported at tensor x expert parallel 2 x 2 (four processes)."""
+    out = hf_source.root / "imported_tp2ep2"
+    _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=4",
+          f"--master-port={free_port()}", "-m", "engram_train.hf.importer",
+          "--hf", str(hf_source.hf), "--out", str(out), "--seq-length", "64",
+          "--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2"],
+         cwd=hf_source.root)
+    return out
+
+
+@pytest.fixture(scope="module")
+def parity(hf_source, imported, imported_pp2, imported_tp2ep2):
     out = hf_source.root / "parity"
     result = torchrun("huggingface_parity.py", 1, out, "--imported", str(imported),
-                      "--imported-pp2", str(imported_pp2), "--batch", str(hf_source.batch))[0]
+                      "--imported-pp2", str(imported_pp2), "--imported-tp2ep2",
+                      str(imported_tp2ep2), "--batch", str(hf_source.batch))[0]
     return SimpleNamespace(out=out, losses=result["losses"])
 
 
@@ -167,7 +180,45 @@ def test_imported_checkpoint_computes_the_transformers_loss(parity, hf_source):
     assert abs(losses["backbone"] - hf_source.loss) / hf_source.loss <= TOL
     assert abs(losses["engram_zero"] - hf_source.loss) / hf_source.loss <= TOL
     assert abs(losses["backbone_pp2"] - hf_source.loss) / hf_source.loss <= TOL
+    assert abs(losses["engram_zero_tp2ep2"] - hf_source.loss) / hf_source.loss <= TOL
     assert losses["engram_normal"] != losses["engram_zero"]  # the normal init adds to h at once
+
+
+@pytest.mark.parametrize("layout", ["imported", "imported_tp2ep2"])
+def test_import_on_any_layout_holds_the_weights_alone_and_exports_back_exactly(
+        layout, request, hf_source, tmp_path):
+    """One process and TP2 x EP2: a model-only checkpoint (iteration 0, no optimizer or
+    scheduler state) whose export is the source function (logits within 1e-5)."""
+    from engram_train.export.checkpoint_reader import DistCheckpointReader
+    from engram_train.hf.export import export_hf
+
+    ckpt = request.getfixturevalue(layout)
+    manifest = json.loads((ckpt / "iter_0000000" / "manifest.json").read_text())
+    assert manifest["contents"] == ["model"] and manifest["iteration"] == 0
+    reader = DistCheckpointReader(ckpt / "iter_0000000")
+    assert not [k for k in reader.tensors if k.startswith(("optimizer", "chained_"))]
+    common = reader.common_state() or {}
+    assert "scheduler" not in (common.get("extra") or {})
+    export_hf(ckpt, tmp_path / "hf", tokenizer=hf_source.hf, log=lambda _: None)
+    model, info = _load(tmp_path / "hf")
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    batch = torch.load(hf_source.batch)
+    with torch.no_grad():
+        logits = model(batch["ids"][:, :-1]).logits
+    diff = rel(logits, batch["logits"])
+    print(f"{layout}: exported back, largest relative logit difference {diff:.2e}")
+    assert diff <= 1e-5
+
+
+def test_import_memory_is_its_shard_plus_bounded_blocks(imported, imported_tp2ep2):
+    """Peak RSS per rank (engram-import-hf's own record) within docs/huggingface.md's bound:
+    12 bytes per shard parameter + 1 GiB; the TP2 x EP2 shards are smaller than the whole."""
+    for ckpt in (imported, imported_tp2ep2):
+        for rank in json.loads((ckpt / "import_memory.json").read_text()):
+            assert rank["peak_rss"] <= 12 * rank["shard_parameters"] + 2**30, rank
+    whole = json.loads((imported / "import_memory.json").read_text())[0]["shard_parameters"]
+    shards = json.loads((imported_tp2ep2 / "import_memory.json").read_text())
+    assert len(shards) == 4 and all(r["shard_parameters"] < 0.75 * whole for r in shards)
 
 
 @pytest.mark.every_lane
@@ -283,3 +334,123 @@ def test_mtp_layers_are_refused_unless_dropped(hf_source, tmp_path):
         (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(HFImportError, match="num_nextn_predict_layers.*--drop-mtp"):
         import_hf(folder, tmp_path / "out", log=lambda _: None)
+
+
+# -- batched generation: left padding is skipped (no process launched) -----------------------
+
+def _random_engram_model(streams: int):
+    """A small random EngramDeepseekV3ForCausalLM (Engram at layers 1 and 2, and mHC's
+    `streams` when > 1) with every weight, the conv and the hash constants off zero."""
+    from engram_train.hf.modeling import EngramDeepseekV3Config, EngramDeepseekV3ForCausalLM
+
+    heads, head_dim, rows = 2 * 2, 16, 97
+    engram = dict(engram_layer_ids=[1, 2], max_ngram_size=3, n_head_per_ngram=2,
+                  n_embed_per_ngram=32, num_raw_ids=VOCAB, compressed_pad_id=5,
+                  engram_kernel_size=4, engram_init_std=0.02, engram_hc_mult=streams,
+                  table_rows={"1": rows * heads, "2": rows * heads})
+    mhc = dict(num_residual_streams=streams, sinkhorn_iterations=20, norm_eps=1e-6) if streams > 1 else {}
+    base = json.loads(hf_source_config(num_hidden_layers=3, rope_interleave=True).to_json_string())
+    for key in ("model_type", "architectures", "transformers_version"):
+        base.pop(key, None)
+    config = EngramDeepseekV3Config(engram=engram, hyper_connections=mhc, **base)
+    torch.manual_seed(0)
+    model = EngramDeepseekV3ForCausalLM(config).eval()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "engram" in name or "_hc" in name or "hc_head" in name:
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+        hashes = model.model.engram_hash
+        hashes.lookup.copy_(torch.randint(0, 1000, (VOCAB,), generator=g))
+        for layer in (1, 2):
+            getattr(hashes, f"multipliers_{layer}").copy_(torch.randint(1, 10**6, (3,), generator=g))
+            getattr(hashes, f"primes_{layer}").fill_(rows)
+            model.model.layers[layer].engram.multi_head_embedding.offsets.copy_(
+                torch.arange(heads) * rows)
+    return model
+
+
+@pytest.mark.parametrize("streams", [1, 4])
+def test_left_padded_batch_decodes_each_row_as_alone(streams):
+    model = _random_engram_model(streams)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, VOCAB, (1, n), generator=g) for n in (3, 11)]
+    batch = torch.zeros(2, 11, dtype=torch.long)
+    mask = torch.zeros(2, 11, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        batch[row, 11 - prompt.shape[1]:] = prompt
+        mask[row, 11 - prompt.shape[1]:] = 1
+    with torch.no_grad():
+        padded = model(batch, attention_mask=mask, use_cache=False).logits
+        for row, prompt in enumerate(prompts):
+            alone = model(prompt, use_cache=False).logits[0]
+            assert rel(padded[row, 11 - prompt.shape[1]:], alone) <= 1e-5
+    for use_cache in (True, False):
+        together = model.generate(batch, attention_mask=mask, max_new_tokens=12,
+                                  min_new_tokens=12, do_sample=False, use_cache=use_cache)
+        for row, prompt in enumerate(prompts):
+            alone = model.generate(prompt, max_new_tokens=12, min_new_tokens=12,
+                                   do_sample=False, use_cache=use_cache)
+            assert torch.equal(together[row, 11:], alone[0, prompt.shape[1]:]), (row, use_cache)
+    right = torch.flip(mask, [1])
+    with pytest.raises(ValueError, match="right padding"):
+        model(batch, attention_mask=right)
+
+
+# -- the folder's own code: loads where engram_train is not importable -----------------------
+
+_WITHOUT_ENGRAM_TRAIN = """
+import sys
+
+import torch
+
+
+class Blocked:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "engram_train":
+            raise ModuleNotFoundError(f"No module named {name!r} (blocked by the test)")
+        return None
+
+
+sys.meta_path.insert(0, Blocked())
+import transformers
+
+folder, record, out = sys.argv[1:]
+try:
+    transformers.AutoModelForCausalLM.from_pretrained(folder)
+    refusal = ""
+except ValueError as err:
+    refusal = str(err)
+model = transformers.AutoModelForCausalLM.from_pretrained(
+    folder, trust_remote_code=True, dtype=torch.float32).eval()
+ids = torch.load(record)["ids"]
+with torch.no_grad():
+    logits = model(ids).logits
+greedy = model.generate(ids[:, :8], max_new_tokens=20, min_new_tokens=20, do_sample=False)
+torch.save({"logits": logits, "greedy": greedy, "refusal": refusal,
+            "class": type(model).__module__, "engram_train": "engram_train" in sys.modules}, out)
+"""
+
+
+def test_export_loads_with_its_own_code_where_engram_train_is_not_installed(parity, tmp_path):
+    folder = parity.out / "engram_mhc" / "hf"
+    config = json.loads((folder / "config.json").read_text())
+    assert config["auto_map"]["AutoModelForCausalLM"] == (
+        "modeling_engram_deepseek_v3.EngramDeepseekV3ForCausalLM")
+    script = tmp_path / "load.py"
+    script.write_text(_WITHOUT_ENGRAM_TRAIN)
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_MODULES_CACHE=str(tmp_path / "modules"))
+    proc = subprocess.run([sys.executable, str(script), str(folder),
+                           str(parity.out / "engram_mhc" / "megatron.pt"), str(tmp_path / "out.pt")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    remote = torch.load(tmp_path / "out.pt")
+    assert "trust_remote_code=True" in remote["refusal"]
+    assert not remote["engram_train"] and "engram_train" not in remote["class"]
+    model, record = _load_matching_megatron(parity, "engram_mhc")  # the installed class
+    with torch.no_grad():
+        logits = model(record["ids"]).logits
+    assert rel(remote["logits"], logits) <= 1e-6
+    greedy = model.generate(record["ids"][:, :8], max_new_tokens=20, min_new_tokens=20,
+                            do_sample=False)
+    assert torch.equal(remote["greedy"], greedy)

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from engram_train.checkpoint.errors import CheckpointError, DamagedCheckpointError
 from engram_train.checkpoint.layout import TRACKER, iteration_dir
-from engram_train.checkpoint.manifest import check_checkpoint
+from engram_train.checkpoint.manifest import check_checkpoint, read_manifest
 from engram_train.checkpoint.selection import select_checkpoint
 from engram_train.checkpoint.partial import load_without_engram
 from engram_train.checkpoint.state import (
@@ -73,6 +73,12 @@ def load_checkpoint_dir(
     ckpt = Path(ckpt)
     if not ckpt.is_dir():
         raise FileNotFoundError(f"checkpoint directory {ckpt} does not exist")
+    if optimizer is not None and is_model_only(ckpt):
+        # weights only (engram-import-hf): the optimizer starts fresh from the loaded weights
+        iteration, extra = load_checkpoint_dir(ckpt, model, None, strict=strict,
+                                               load_engram=load_engram)
+        optimizer.reload_model_params()  # fp32 main copies made before the load
+        return iteration, extra
     try:
         if not load_engram:
             return load_without_engram(ckpt, model, optimizer)
@@ -93,6 +99,12 @@ def load_checkpoint_dir(
         raise CheckpointError(f"loading {ckpt} failed: {type(e).__name__}: {e}") from e
     check_loaded(ckpt, model)
     return int(loaded["iteration"]), loaded.get("extra") or {}
+
+
+def is_model_only(ckpt: str | os.PathLike) -> bool:
+    """Whether checkpoint directory `ckpt` holds weights only (its manifest's ``contents``)."""
+    manifest = read_manifest(ckpt)
+    return manifest is not None and manifest.get("contents") == ["model"]
 
 
 def load_checkpoint(

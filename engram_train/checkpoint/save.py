@@ -121,7 +121,8 @@ def save_checkpoint(
     if unreadable:
         raise CheckpointError(f"saving iteration {iteration}: cannot read back {unreadable}")
     if rank == 0:
-        _publish(root, tmp, final, iteration, file_digests, run_identity)
+        _publish(root, tmp, final, iteration, file_digests, run_identity,
+                 contents=["model"] if optimizer is None else ["model", "optimizer"])
         size = sum(s for s, _ in file_digests.values())
         log.info("saved %s (%s, %.1f s)", final, gib(size), time.perf_counter() - started)
     dist.barrier()
@@ -129,7 +130,7 @@ def save_checkpoint(
 
 
 def _publish(root: Path, tmp: Path, final: Path, iteration: int, file_digests: dict,
-             run_identity: dict | None) -> None:
+             run_identity: dict | None, contents: list[str]) -> None:
     """Rank 0: the manifest into ``iter_N.tmp``, the rename to ``iter_N``, then the tracker;
     each step durable before the next, so a crash leaves the old or the new state, never a mix."""
     manifest = {
@@ -139,6 +140,7 @@ def _publish(root: Path, tmp: Path, final: Path, iteration: int, file_digests: d
         "world_size": dist.get_world_size(),
         "files": {n: {"size": s, "sha256": h} for n, (s, h) in sorted(file_digests.items())},
         "run": run_identity or {},
+        "contents": contents,  # ["model"]: weights only (an import); a resume starts the optimizer
     }
     write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
     fsync_dir(tmp)

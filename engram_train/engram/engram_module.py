@@ -3,7 +3,9 @@
 Layout follows megatron (sequence first): hidden [S, B, d] when hc_mult == 1, [S, B, G, d]
 when hc_mult = G > 1; hash ids [S, B, K] int64 (K = (N-1) * H); memory [S, B, E] with
 E = (N-1) * n_embed_per_ngram. The module returns y only: the caller adds the residual.
-Submodule names equal the reference's so that its weights load by name.
+Submodule names equal the reference's so that its weights load by name. Imports at module
+level are torch's only: the Hugging Face export copies this file into its folder, where the
+table is a plain lookup passed in as ``table`` (engram_train.hf.modeling).
 """
 
 from __future__ import annotations
@@ -12,10 +14,6 @@ import math
 
 import torch
 from torch import nn
-
-from engram_train.config import engram_table_dtype
-from engram_train.engram.tables import MultiHeadEmbedding, mark_engram_param
-from engram_train.engram.ngram_hash import engram_head_vocab_sizes
 
 GATE_NORM_EPS = torch.finfo(torch.float32).eps  # key/query RMSNorms, as the reference
 CONV_NORM_EPS = 1e-5  # ShortConv's RMSNorms
@@ -128,10 +126,9 @@ class Engram(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         table_dtype: torch.dtype | None = None,
+        table: nn.Module | None = None,
     ) -> None:
         super().__init__()
-        if table_dtype is None:
-            table_dtype = dtype if dtype is not None else engram_table_dtype(config)
         layer_ids = list(config.engram_layer_ids)
         if layer_id not in layer_ids:
             raise ValueError(
@@ -147,25 +144,10 @@ class Engram(nn.Module):
         self.head_dim = config.n_embed_per_ngram // n_heads
         self.memory_dim = (self.max_ngram_size - 1) * config.n_embed_per_ngram
         self.init_std = float(config.engram_init_std)
-        head_sizes = engram_head_vocab_sizes(
-            config.engram_vocab_size, self.max_ngram_size, n_heads, layer_ids,
-            one_row=getattr(config, "engram_one_row_per_head", False),
-        )[self.layer_id]
         factory = {"device": device, "dtype": dtype}
-
-        self.multi_head_embedding = MultiHeadEmbedding(
-            [p for order in head_sizes for p in order],
-            self.head_dim,
-            layer_id=self.layer_id,
-            seed=config.engram_seed,
-            init_std=self.init_std,
-            row_start=row_start,
-            row_end=row_end,
-            parallel=embedding_parallel,
-            device=device,
-            dtype=table_dtype,
-            placement=config.engram_table_placement,
-        )
+        self.multi_head_embedding = table if table is not None else self._table(
+            config, layer_ids, n_heads, row_start, row_end, embedding_parallel, device,
+            dtype if table_dtype is None and dtype is not None else table_dtype)
         d, e, g = self.hidden_size, self.memory_dim, self.hc_mult
         self.value_proj = nn.Linear(e, d, **factory)
         self.key_projs = nn.ModuleList(nn.Linear(e, d, **factory) for _ in range(g))
@@ -176,8 +158,36 @@ class Engram(nn.Module):
         self.zero_init_conv = zero_init_conv
         self.value_init = getattr(config, "engram_value_init", "normal")
         self.reset_parameters(include_table=False)  # the table initialized itself
-        for param in self.parameters():
-            mark_engram_param(param)
+        if table is None:
+            from engram_train.engram.tables import mark_engram_param
+
+            for param in self.parameters():
+                mark_engram_param(param)
+
+    def _table(self, config, layer_ids, n_heads, row_start, row_end, embedding_parallel,
+               device, table_dtype):
+        """The trainer's table: ``MultiHeadEmbedding`` sized by the layer's head primes."""
+        from engram_train.config import engram_table_dtype
+        from engram_train.engram.ngram_hash import engram_head_vocab_sizes
+        from engram_train.engram.tables import MultiHeadEmbedding
+
+        head_sizes = engram_head_vocab_sizes(
+            config.engram_vocab_size, self.max_ngram_size, n_heads, layer_ids,
+            one_row=getattr(config, "engram_one_row_per_head", False),
+        )[self.layer_id]
+        return MultiHeadEmbedding(
+            [p for order in head_sizes for p in order],
+            self.head_dim,
+            layer_id=self.layer_id,
+            seed=config.engram_seed,
+            init_std=self.init_std,
+            row_start=row_start,
+            row_end=row_end,
+            parallel=embedding_parallel,
+            device=device,
+            dtype=table_dtype if table_dtype is not None else engram_table_dtype(config),
+            placement=config.engram_table_placement,
+        )
 
     @torch.no_grad()
     def reset_parameters(self, include_table: bool = True) -> None:

@@ -25,6 +25,7 @@ from engram_train.export.checkpoint_reader import DistCheckpointReader, StoredTe
 from engram_train.export.safetensors_io import SafetensorsWriter, TensorSpec, shard_groups
 from engram_train.hf.config_map import HFConfigError, hf_config
 from engram_train.hf.names import Piece, UnmappedTensorError, hf_pieces
+from engram_train.hf.remote_code import AUTO_MAP, write_remote_code
 
 INDEX_FILE = "model.safetensors.index.json"
 FILE_METADATA = {"format": "pt"}
@@ -218,17 +219,23 @@ def export_hf(load, out, *, iteration=None, config=None, tokenizer=None, force=F
     extra: dict[str, torch.Tensor] = {}
     if plan is not None:
         section, extra = engram_extras(plan)
+        section["table_rows"] = {  # each layer's table, as stored (the modeling sizes it so)
+            str(layer): int(reader.tensors[f"decoder.layers.{layer}.engram.multi_head_embedding"
+                                           ".weight"].shape[0]) for layer in plan.mapping.layer_ids}
         document["engram"] = section
     if model.get("enable_hyper_connections"):
         document["hyper_connections"] = mhc_section(model)
     if plan is not None or model.get("enable_hyper_connections"):
-        document.update(model_type=ENGRAM_MODEL_TYPE, architectures=["EngramDeepseekV3ForCausalLM"])
+        document.update(model_type=ENGRAM_MODEL_TYPE, architectures=["EngramDeepseekV3ForCausalLM"],
+                        auto_map=dict(AUTO_MAP))
     written = {}
 
     def write(folder: Path) -> None:
         written["total"] = write_weights(folder, reader, items, extra, max_shard_bytes)
         (folder / "config.json").write_text(json.dumps(document, indent=2, sort_keys=True) + "\n")
         write_tokenizer(folder, tokenizer_file)
+        if "auto_map" in document:  # the modeling code, for trust_remote_code=True
+            write_remote_code(folder)
 
     publish(out, "hf", write, log)
     total = written["total"]

@@ -1,16 +1,21 @@
-"""``engram-import-hf``: a transformers DeepSeek-V3 folder -> a checkpoint the trainer continues.
+"""``engram-import-hf``: a transformers DeepSeek-V3 folder -> a model-only checkpoint the
+trainer continues from, on the layout it will train with.
 
     engram-import-hf --hf DIR --out CKPT_DIR [--tokenizer PATH] [--preset-name NAME]
+    torchrun --nproc-per-node N -m engram_train.hf.importer --hf DIR --out CKPT_DIR \
+        --tensor-model-parallel-size T --expert-model-parallel-size E --pipeline-parallel-size P
 
-The backbone is built exactly as the trainer builds it (model, megatron DDP, a fresh optimizer),
-on one process or split over pipeline stages (torchrun, ``--pipeline-parallel-size``); each
-stage fills its layers from the folder one tensor at a time (fp8 dequantized on the
-fly, ``rope_interleave: false`` rows reordered to megatron's interleaved layout), and the
-project's own checkpoint save writes ``CKPT_DIR/iter_0000000`` with its manifest and run
-identity. The model preset the folder implies goes to ``CKPT_DIR/conf/model/NAME.yaml``
-(Engram off, ``engram_value_init: zero``); the trainer adds Engram with
-``checkpoint.load_engram=false`` (docs/huggingface.md). Memory per process: its share of the
-model, its optimizer state and the save's copies, plus one folder tensor.
+Each rank builds its shard of the backbone as the trainer does (without initialising it, no
+DDP, no optimizer) and fills it from the folder: for every tensor of megatron's sharded state
+dict it reads only the block of each folder tensor that lands in its shard (safetensors
+``get_slice``; fp8 dequantized per block, ``rope_interleave: false`` rows reordered to
+megatron's interleaved layout), one at a time, the files unmapped after each. The project's
+checkpoint save then writes ``CKPT_DIR/iter_0000000``: weights only (manifest ``contents:
+[model]``), which the trainer resumes on any layout with a fresh optimizer and the continuing
+run's schedule from iteration 0. The model preset the folder implies goes to
+``CKPT_DIR/conf/model/NAME.yaml`` (Engram off, ``engram_value_init: zero``); the trainer adds
+Engram with ``checkpoint.load_engram=false`` (docs/huggingface.md). Peak memory per rank: its
+shard in fp32, the save's copy of it, and one folder block.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import resource
 import sys
 import time
 from collections.abc import Callable
@@ -26,7 +32,7 @@ from pathlib import Path
 import torch
 
 from engram_train.hf.config_map import HFConfigError, preset_from_hf
-from engram_train.hf.names import hf_pieces, local_to_global, rope_permutation
+from engram_train.hf.names import UnmappedTensorError, hf_pieces, rope_permutation
 from engram_train.hf.source import HFFolder, HFSourceError
 
 
@@ -53,79 +59,108 @@ def _mtp_names(folder: HFFolder, layers: int) -> list[str]:
     return [n for n in folder.names() if (m := pattern.match(n)) and int(m.group(1)) >= layers]
 
 
-def _permute_rope(name: str, value: torch.Tensor, doc: dict) -> torch.Tensor:
-    """transformers' ``rope_interleave: false`` layout -> megatron's interleaved pairs."""
+def source_rows(name: str, rows: int, doc: dict) -> list[int] | None:
+    """For ``rope_interleave: false``: folder row of each megatron row of tensor `name`
+    ([rows, ...]; transformers' rotary halves -> megatron's interleaved pairs); None when the
+    rows are the same."""
+    if doc.get("rope_interleave", True):
+        return None
     rope, nope = int(doc["qk_rope_head_dim"]), int(doc["qk_nope_head_dim"])
-    order = torch.tensor(rope_permutation(rope))
+    order = rope_permutation(rope)
+    index = list(range(rows))
     if name.endswith(("self_attn.q_b_proj.weight", "self_attn.q_proj.weight")):
-        heads = value.view(int(doc["num_attention_heads"]), nope + rope, -1)
-        heads[:, nope:] = heads[:, nope:][:, order]
-        return value
+        for head in range(rows // (nope + rope)):
+            base = head * (nope + rope) + nope
+            index[base: base + rope] = [base + p for p in order]
+        return index
     if name.endswith("self_attn.kv_a_proj_with_mqa.weight"):
         start = int(doc["kv_lora_rank"])
-        value[start:] = value[start:][order]
-    return value
+        index[start:] = [start + p for p in order]
+        return index
+    return None
 
 
-def global_names(chunk: torch.nn.Module) -> dict[str, tuple[str, int | None]]:
-    """This rank's state-dict names -> (dist-checkpoint key, global expert or None): a pipeline
-    stage numbers its layers from 0 and an expert-parallel rank its experts; megatron's layers
-    know their global number and their experts' global indices."""
-    layers = {j: (layer.layer_number - 1, getattr(layer.mlp, "local_expert_indices", None))
-              for j, layer in enumerate(chunk.decoder.layers)}
-    names = {}
-    for name, tensor in chunk.state_dict(keep_vars=True).items():
-        if "_extra_state" in name or not isinstance(tensor, torch.Tensor):
-            continue
-        match = re.match(r"^decoder\.layers\.(\d+)\.(.*)$", name)
-        if match:
-            layer, experts = layers[int(match.group(1))]
-            key, expert = local_to_global(f"decoder.layers.{layer}.{match.group(2)}")
-            names[name] = (key, None if expert is None else experts[expert])
-        else:
-            names[name] = (name, None)
-    return names
+_STACKED = re.compile(r"^(decoder\.layers\.)(\D.*)$")
 
 
-def fill_model(chunk: torch.nn.Module, folder: HFFolder, doc: dict, vocab: int,
-               num_experts: int | None) -> tuple[set[str], list[str]]:
-    """Copy the folder's tensors into `chunk` (this rank's megatron model, any pipeline stage
-    and expert-parallel rank, TP 1); returns (folder tensors used, warnings)."""
+def _global_view(sh) -> tuple[str, tuple, tuple, tuple]:
+    """(dist-checkpoint key per layer, global shape, offset and local size) of a ShardedTensor;
+    megatron's homogeneous layers stack the layer as the first axis of one key."""
+    shape, offset = tuple(sh.global_shape), tuple(sh.global_offset)
+    size = (1,) * sh.prepend_axis_num + tuple(sh.local_shape)
+    match = _STACKED.match(sh.key)
+    if match is None:
+        return sh.key, shape, offset, size
+    return f"{match.group(1)}{offset[0]}.{match.group(2)}", shape[1:], offset[1:], size[1:]
+
+
+def _sharded_tensors(model: list) -> list:
+    """This rank's ShardedTensors of `model` (factories such as SwiGLU's built into views of the
+    parameters), as the checkpoint save lays them out."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+    from engram_train.checkpoint.state import model_sharded_state_dict
+
+    state = model_sharded_state_dict(model)
+    apply_factories(state)
+    return [v for v in nested_values(state) if isinstance(v, ShardedTensor)]
+
+
+@torch.no_grad()
+def fill_shard(model: list, folder: HFFolder, doc: dict, vocab: int) -> tuple[set[str], list[str]]:
+    """Copy into this rank's shard of `model` (any TP, EP, PP) the blocks of the folder's
+    tensors that land in it, one block at a time; returns (folder tensors used, warnings)."""
     tied = bool(doc.get("tie_word_embeddings")) and "lm_head.weight" not in folder
     hf_rows = int(doc["vocab_size"])
-    interleaved = doc.get("rope_interleave", True)
+    rows = min(vocab, hf_rows)
     used, warnings = set(), []
-    state = chunk.state_dict(keep_vars=True)
-    for name, (key, expert) in global_names(chunk).items():
-        tensor = state[name]
-        shape = (num_experts, *tensor.shape) if expert is not None else tuple(tensor.shape)
-        rows = min(vocab, hf_rows)
-        for piece in hf_pieces(key, shape, rows):
-            if expert is not None and piece.start[0] != expert:
+    for sh in _sharded_tensors(model):
+        key, shape, offset, size = _global_view(sh)
+        try:
+            pieces = hf_pieces(key, shape, rows)
+        except UnmappedTensorError as err:
+            raise HFImportError(str(err)) from None
+        target = sh.data
+        lead = len(size) - target.dim()  # prepended axes (an expert's): size 1, not in the data
+        filled = 0
+        for piece in pieces:
+            lo = [max(o, s) for o, s in zip(offset, piece.start)]
+            hi = [min(o + n, s + z) for o, n, s, z in zip(offset, size, piece.start, piece.size)]
+            if any(h <= low for low, h in zip(lo, hi)):
                 continue
             source = "model.embed_tokens.weight" if tied and piece.name == "lm_head.weight" else piece.name
             if source not in folder:
-                raise HFImportError(f"{folder.folder} has no {source} (megatron {name} needs it)")
-            value = folder.read(source)
-            if tuple(value.shape) != (tuple(piece.shape) if piece.name not in (
-                    "model.embed_tokens.weight", "lm_head.weight") else (hf_rows, piece.shape[1])):
-                raise HFImportError(f"{source} has shape {tuple(value.shape)}, the model built "
-                                    f"from config.json needs {piece.shape}")
-            if not interleaved:
-                value = _permute_rope(source, value, doc)
-            box = list(zip(piece.start, piece.size))[1:] if expert is not None else list(
-                zip(piece.start, piece.size))
-            target = tensor.data
-            for dim, (start, size) in enumerate(box):
-                target = target.narrow(dim, start, size)
-            with torch.no_grad():
-                target.copy_(value[: piece.shape[0]] if target.shape != value.shape else value)
+                raise HFImportError(f"{folder.folder} has no {source} (megatron {key} needs it)")
+            want = (hf_rows, *piece.shape[1:]) if piece.name in (
+                "model.embed_tokens.weight", "lm_head.weight") else tuple(piece.shape)
+            if folder.shape(source) != want:
+                raise HFImportError(f"{source} has shape {folder.shape(source)}, the model built "
+                                    f"from config.json needs {tuple(piece.shape)}")
+            at = [a - s for a, s in zip(lo, piece.start)]
+            extent = [b - a for a, b in zip(lo, hi)]
+            box = target
+            for dim, (a, o, n) in enumerate(zip(lo[lead:], offset[lead:], extent[lead:])):
+                box = box.narrow(dim, a - o, n)
+            if piece.squeeze:
+                at, extent = at[1:], extent[1:]
+            value = _read(folder, source, at, extent, doc)
+            box.copy_(value.reshape(box.shape))
+            filled += value.numel()
             used.add(source)
+            folder.close()  # one block's pages at a time
         if key in ("embedding.word_embeddings.weight", "output_layer.weight") and rows < shape[0]:
-            with torch.no_grad():
-                tensor.data[rows:].zero_()
-            warnings.append(f"{name}: rows {rows}..{shape[0] - 1} (megatron's padding beyond "
-                            f"config.json vocab_size={hf_rows}) start at zero")
+            local_rows = range(offset[0], offset[0] + size[0])
+            start = max(rows, local_rows.start)
+            if start < local_rows.stop:
+                target[start - offset[0]:].zero_()
+                filled += (local_rows.stop - start) * target.shape[1]
+            if offset[0] == 0:
+                warnings.append(f"{key}: rows {rows}..{shape[0] - 1} (megatron's padding beyond "
+                                f"config.json vocab_size={hf_rows}) start at zero")
+        if filled != target.numel():
+            raise HFImportError(f"{key}: the folder fills {filled} of this rank's "
+                                f"{target.numel()} values")
     if hf_rows > vocab:
         warnings.append(f"config.json vocab_size={hf_rows} > the tokenizer's padded {vocab}: "
                         f"rows {vocab}.. of the embedding and lm_head are not imported")
@@ -133,6 +168,17 @@ def fill_model(chunk: torch.nn.Module, folder: HFFolder, doc: dict, vocab: int,
         warnings.append("tie_word_embeddings: the output layer starts as a copy of the embedding "
                         "(the trainer keeps them apart)")
     return used, warnings
+
+
+def _read(folder: HFFolder, name: str, at: list[int], extent: list[int], doc: dict) -> torch.Tensor:
+    """The block ``[at, at + extent)`` of folder tensor `name` in megatron's row order."""
+    order = source_rows(name, folder.shape(name)[0], doc) if extent else None
+    if order is None:
+        return folder.read_block(name, at, extent)
+    wanted = order[at[0]: at[0] + extent[0]]
+    first, last = min(wanted), max(wanted)
+    block = folder.read_block(name, [first, *at[1:]], [last - first + 1, *extent[1:]])
+    return block[torch.tensor(wanted) - first]
 
 
 def check_all_used(folder: HFFolder, used: set[str], skip: set[str]) -> None:
@@ -147,7 +193,8 @@ def check_all_used(folder: HFFolder, used: set[str], skip: set[str]) -> None:
                             f"built from its config.json, e.g. {left[:4]}")
 
 
-def _run_config(section: dict, tokenizer: Path, seq_length: int, pipeline: int = 1):
+def _run_config(section: dict, tokenizer: Path, seq_length: int, tensor: int = 1,
+                expert: int = 1, pipeline: int = 1):
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf, open_dict
 
@@ -156,72 +203,57 @@ def _run_config(section: dict, tokenizer: Path, seq_length: int, pipeline: int =
     with initialize_config_dir(config_dir=str(Path(CONF_DIR).resolve()), version_base=None):
         cfg = compose("train", overrides=[
             f"data.tokenizer={tokenizer}", f"train.seq_length={seq_length}",
+            f"system.tensor_model_parallel_size={tensor}",
+            f"system.expert_model_parallel_size={expert}",
             f"system.pipeline_model_parallel_size={pipeline}"])
     with open_dict(cfg):
         cfg.model = OmegaConf.create(section)
     return cfg
 
 
-def _build(cfg, vocab: int):
-    """Model and optimizer as the trainer builds them (training/job.py), in the layout of
-    ``cfg.system`` (pipeline stages; TP and EP 1)."""
+def build_shard(cfg, vocab: int):
+    """This rank's model chunks in the layout of ``cfg.system``, as the trainer builds them but
+    without initialising the weights (every one is filled from the folder), DDP or optimizer."""
     import torch.distributed as dist
-    from megatron.core.distributed import DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig
 
     from engram_train.models.builder import build_model
-    from engram_train.runtime import ParallelSizes, initialize_distributed
-    from engram_train.training.run_config import build_transformer_config
-
-    from engram_train.training.run_config import parallel_sizes
+    from engram_train.runtime import initialize_distributed
+    from engram_train.training.run_config import build_transformer_config, parallel_sizes
 
     config = build_transformer_config(cfg)
+    config.perform_initialization = False
     sizes = parallel_sizes(cfg)
+    world = dist.get_world_size() if dist.is_initialized() else int(
+        __import__("os").environ.get("WORLD_SIZE", 1))
+    if world % (sizes.tensor * sizes.pipeline) or (world // sizes.pipeline) % sizes.expert:
+        raise HFImportError(f"{world} processes cannot hold tensor x pipeline = "
+                            f"{sizes.tensor} x {sizes.pipeline} with expert parallel size "
+                            f"{sizes.expert}: launch a multiple of their product (torchrun "
+                            "--nproc-per-node)")
     if not dist.is_initialized():
         initialize_distributed(sizes, seed=int(cfg.train.seed))
-    t = cfg.train
-    ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
-    model = build_model(config, vocab, int(t.seq_length), ddp)
-    opt = OptimizerConfig(
-        optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
-        adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps,
-        clip_grad=t.clip_grad, bf16=config.bf16, fp16=config.fp16,
-        params_dtype=config.params_dtype, use_distributed_optimizer=True)
-    return config, model, opt
+    model = build_model(config, vocab, int(cfg.train.seq_length), wrap_with_ddp=False)
+    return config, model
 
 
-def fresh_adam_state(optimizer) -> None:
-    """Adam's state before its first step (zero moments, step 0) for every parameter, so that
-    the optimizer can be saved (megatron's state_dict needs a step) and the trainer's first step
-    is Adam's first. megatron's own dummy-step init would apply weight decay to the weights."""
-    chain = getattr(optimizer, "chained_optimizers", [optimizer])
-    for part in chain:
-        inner = getattr(part, "optimizer", None)
-        if not isinstance(inner, torch.optim.Optimizer):
-            continue
-        for group in inner.param_groups:
-            for param in group["params"]:
-                inner.state[param] = {
-                    "step": torch.tensor(0.0),
-                    "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
-                    "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
-                }
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def import_hf(hf: str | Path, out: str | Path, *, tokenizer: str | Path | None = None,
               preset_name: str = "hf_import", drop_mtp: bool = False, engram_layer_ids=None,
-              seq_length: int = 4096, pipeline: int = 1,
+              seq_length: int = 4096, tensor: int = 1, expert: int = 1, pipeline: int = 1,
               log: Callable[[str], None] | None = None) -> Path:
-    """Write `hf` as checkpoint `out` (iteration 0) and its preset; returns the preset file.
-    With `pipeline` > 1 (torchrun, that many processes) each stage holds its layers."""
+    """Write `hf` as model-only checkpoint `out` (iteration 0) in the layout tensor x expert x
+    pipeline (torchrun, a multiple of tensor x pipeline processes), and its preset; returns the
+    preset file."""
     import torch.distributed as dist
-    from megatron.core.utils import unwrap_model
     from omegaconf import OmegaConf
 
     from engram_train.checkpoint import has_checkpoints, save_checkpoint
     from engram_train.data import load_tokenizer
     from engram_train.engram.compressed_tokenizer import resolve_tokenizer_file
-    from engram_train.training.optimizer import build_optimizer
     from engram_train.training.run_config import padded_vocab_size
     from engram_train.training.run_identity import run_identity
 
@@ -247,27 +279,36 @@ def import_hf(hf: str | Path, out: str | Path, *, tokenizer: str | Path | None =
             f"folder holds {len(mtp)} multi-token-prediction tensors (model.layers.{layers}.*), "
             "which the trainer does not train; pass --drop-mtp to import without them")
     tokenizer_file = resolve_tokenizer_file(tokenizer or hf, field="--tokenizer")
-    vocab = padded_vocab_size(load_tokenizer(tokenizer_file).vocab_size, 1)
+    vocab = padded_vocab_size(load_tokenizer(tokenizer_file).vocab_size, tensor)
     section = model_section(preset, layers, engram_layer_ids)
-    cfg = _run_config(section, tokenizer_file, seq_length, pipeline)
-    config, model, opt = _build(cfg, vocab)
-    used, warnings = fill_model(unwrap_model(model)[0], folder, doc, vocab, config.num_moe_experts)
+    cfg = _run_config(section, tokenizer_file, seq_length, tensor, expert, pipeline)
+    baseline = peak_rss_bytes()
+    config, model = build_shard(cfg, vocab)
+    used, warnings = fill_shard(model, folder, doc, vocab)
     folder.close()
     check_all_used(folder, used, set(mtp))
-    for warning in warnings:
+    for warning in warnings if dist.get_rank() == 0 else []:
         log(f"warning: {warning}")
-    optimizer = build_optimizer(opt, model, config)  # after the fill: its state starts from it
-    fresh_adam_state(optimizer)
-    save_checkpoint(out, 0, model, optimizer,
-                    extra={"consumed_samples": 0, "imported_from": str(hf.resolve())},
+    save_checkpoint(out, 0, model, None,
+                    extra={"consumed_samples": 0, "imported_from": str(hf.resolve()),
+                           "run_config": OmegaConf.to_container(cfg, resolve=True)},
                     run_identity=run_identity(config, vocab))
+    shard = sum(p.numel() for chunk in model for p in chunk.parameters())
+    memory = {"rank": dist.get_rank(), "shard_parameters": shard, "peak_rss": peak_rss_bytes(),
+              "rss_before_build": baseline}
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, memory)
     preset_file = out / "conf" / "model" / f"{preset_name}.yaml"
     if dist.get_rank() == 0:
         preset_file.parent.mkdir(parents=True, exist_ok=True)
         section["engram_tokenizer_name_or_path"] = "${data.tokenizer}"
         preset_file.write_text(f"# Imported from {hf.resolve()} by engram-import-hf.\n"
                                + OmegaConf.to_yaml(OmegaConf.create(section)))
-        log(f"wrote {out}/iter_0000000 and {preset_file} in {time.perf_counter() - started:.1f} s")
+        (out / "import_memory.json").write_text(json.dumps(gathered, indent=1) + "\n")
+        worst = max(gathered, key=lambda m: m["peak_rss"])
+        log(f"wrote {out}/iter_0000000 (model only) and {preset_file} in "
+            f"{time.perf_counter() - started:.1f} s; peak RSS {worst['peak_rss'] / 2**30:.2f} GiB "
+            f"(rank {worst['rank']}, {worst['shard_parameters']} parameters in its shard)")
     dist.barrier()
     return preset_file
 
@@ -275,8 +316,8 @@ def import_hf(hf: str | Path, out: str | Path, *, tokenizer: str | Path | None =
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="engram-import-hf",
-        description="Import a transformers DeepSeek-V3 folder as a checkpoint that engram-train "
-                    "continues, with Engram added (docs/huggingface.md).")
+        description="Import a transformers DeepSeek-V3 folder as a model-only checkpoint that "
+                    "engram-train continues, with Engram added (docs/huggingface.md).")
     parser.add_argument("--hf", required=True, metavar="DIR", help="config.json + safetensors")
     parser.add_argument("--out", required=True, metavar="CKPT_DIR", help="checkpoint folder to write")
     parser.add_argument("--tokenizer", default=None, metavar="PATH",
@@ -289,6 +330,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="import without the multi-token-prediction layers")
     parser.add_argument("--seq-length", type=int, default=4096,
                         help="train.seq_length the model is built for (RoPE tables)")
+    parser.add_argument("--tensor-model-parallel-size", type=int, default=1,
+                        help="tensor-parallel size of the checkpoint (run under torchrun)")
+    parser.add_argument("--expert-model-parallel-size", type=int, default=1,
+                        help="expert-parallel size of the checkpoint (run under torchrun)")
     parser.add_argument("--pipeline-parallel-size", type=int, default=1,
                         help="pipeline stages the model is split over (run under torchrun)")
     return parser
@@ -299,7 +344,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         import_hf(args.hf, args.out, tokenizer=args.tokenizer, preset_name=args.preset_name,
                   drop_mtp=args.drop_mtp, engram_layer_ids=args.engram_layer_ids,
-                  seq_length=args.seq_length, pipeline=args.pipeline_parallel_size)
+                  seq_length=args.seq_length, tensor=args.tensor_model_parallel_size,
+                  expert=args.expert_model_parallel_size, pipeline=args.pipeline_parallel_size)
     except (HFImportError, HFConfigError, HFSourceError) as err:
         raise SystemExit(f"engram-import-hf: error: {err}") from None
 

@@ -9,7 +9,13 @@ the model (``model.engram_hash.*``), loaded with the weights.
 Cached decoding equals full recomputation: the n-gram hash of a new token reads the last N-1
 compressed ids of its sequence and the short conv its last (K-1)*N normalized values; both are
 kept with the KV cache (``cache.engram_state``) and start from pad ids and zeros, as the
-trainer's padding does. Without a cache every call starts a new sequence.
+trainer's padding does. Without a cache every call starts a new sequence. Left padding
+(``attention_mask`` zeros before a row's tokens) is skipped by both: a batched row decodes as
+it does alone. Right padding is refused.
+
+This file depends on torch, numpy, transformers and the modules it imports from the package,
+which depend on torch and numpy only: ``engram-export --format hf`` writes it (and them) into
+the folder, so that ``trust_remote_code=True`` loads the folder without this project.
 """
 
 from __future__ import annotations
@@ -20,7 +26,8 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, DeepseekV3Config
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import initialization as init
 from transformers.cache_utils import DynamicCache
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
     DeepseekV3DecoderLayer,
@@ -28,32 +35,15 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
     DeepseekV3Model,
 )
 
-from transformers import initialization as init
-
-from engram_train.engram.engram_module import Engram
-from engram_train.models.hyper_connection import HyperConnection, HyperHead, scale_index
+# The package modules below depend on torch and numpy only; the export copies them (and this
+# file) into the folder with these imports made relative (engram_train/hf/remote_code.py).
+from engram_train.engram.engram_module import Engram, ShortConv
+from engram_train.hf.configuration import MODEL_TYPE, EngramDeepseekV3Config
 from engram_train.inference.incremental_hash import (
     IncrementalNgramHasher,
     continue_document_distance,
 )
-from engram_train.inference.memory import _StreamingShortConv
-
-MODEL_TYPE = "engram_deepseek_v3"
-
-
-class EngramDeepseekV3Config(DeepseekV3Config):
-    """``DeepseekV3Config`` plus ``engram``: the run's Engram fields (``engram_layer_ids``,
-    ``max_ngram_size``, ...) and the tokenizer's ``num_raw_ids`` and ``compressed_pad_id``;
-    and ``hyper_connections`` (mHC: ``num_residual_streams``, ``sinkhorn_iterations``,
-    ``norm_eps``). Either may be empty."""
-
-    model_type = MODEL_TYPE
-
-    def __init__(self, engram: dict | None = None, hyper_connections: dict | None = None,
-                 **kwargs) -> None:
-        self.engram = dict(engram or {})
-        self.hyper_connections = dict(hyper_connections or {})
-        super().__init__(**kwargs)
+from engram_train.models.hyper_connection import HyperConnection, HyperHead, scale_index
 
 
 def _engram_fields(config: EngramDeepseekV3Config) -> SimpleNamespace | None:
@@ -62,7 +52,7 @@ def _engram_fields(config: EngramDeepseekV3Config) -> SimpleNamespace | None:
     if not fields:
         return None
     missing = [k for k in ("engram_layer_ids", "max_ngram_size", "n_head_per_ngram",
-                           "n_embed_per_ngram", "engram_vocab_size", "num_raw_ids") if k not in fields]
+                           "n_embed_per_ngram", "num_raw_ids", "table_rows") if k not in fields]
     if missing:
         raise ValueError(f"config.engram lacks {missing}: export the model with engram-export "
                          "--format hf")
@@ -115,6 +105,58 @@ class EngramHash(nn.Module):
         super()._load_from_state_dict(*args, **kwargs)
 
 
+class EngramTable(nn.Module):
+    """A layer's Engram table for inference: ``weight`` [rows, head_dim] (all heads' rows
+    concatenated) and each head's first row ``offsets``, as the trainer's
+    ``MultiHeadEmbedding`` stores them; head-local hashes [..., K] -> memory [..., K * head_dim]."""
+
+    def __init__(self, rows: int, num_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(rows, head_dim))
+        self.register_buffer("offsets", torch.zeros(num_heads, dtype=torch.int64))
+
+    def forward(self, hash_ids: torch.Tensor) -> torch.Tensor:
+        rows = self.weight[hash_ids + self.offsets]
+        return rows.reshape(*hash_ids.shape[:-1], -1)
+
+
+class StreamingShortConv(nn.Module):
+    """`ShortConv` that continues from per-sequence state instead of zero left padding, and
+    skips padding positions: their normalized values are zero, as the left padding of a
+    sequence that starts later (exact for left-padded rows). With ``document_distance`` [S, B]
+    (``engram_reset_at_eos``) the look-back stops at each position's document start, the
+    state's values included (`ShortConv.forward`).
+
+    The conv is causal with dilation N and kernel K, so the output at t reads normalized values
+    t - (K-1)*N .. t: those (K-1)*N values are the state."""
+
+    def __init__(self, conv: ShortConv, state: torch.Tensor, keep: torch.Tensor | None) -> None:
+        super().__init__()
+        self.inner = conv
+        self.state = state  # [B, G*d, (K-1)*N]
+        self.keep = keep    # [B, S] bool, or None: every position is a token
+
+    def forward(self, x: torch.Tensor, left_context: torch.Tensor | None = None,
+                document_distance: torch.Tensor | None = None) -> torch.Tensor:
+        if left_context is not None:
+            raise ValueError("StreamingShortConv continues from its state: no left_context")
+        seq, batch, streams, width = x.shape
+        normed = self.inner.normalize(x).permute(1, 2, 0)  # [B, G*d, S]
+        if self.keep is not None:
+            normed = normed * self.keep[:, None, :].to(normed.dtype)
+        y = torch.cat([self.state, normed], dim=-1)  # [B, G*d, state + S]
+        self.state = y[..., y.shape[-1] - self.inner.left_pad:].clone()
+        if document_distance is None:
+            y = self.inner.conv(y)
+        else:
+            if document_distance.shape != (seq, batch):
+                raise ValueError(f"document_distance {tuple(document_distance.shape)} must be "
+                                 f"[S, B] = [{seq}, {batch}]")
+            y = self.inner._conv_within_documents(y, document_distance)
+        y = nn.functional.silu(y)
+        return y.permute(2, 0, 1).reshape(seq, batch, streams, width)
+
+
 @dataclass
 class EngramCacheState:
     """What decoding carries per sequence besides the KV cache."""
@@ -153,22 +195,28 @@ class _EngramInput:
     num_streams = 1
 
     def _add_engram(self, config: EngramDeepseekV3Config, layer_idx: int) -> None:
-        self.engram = Engram(_engram_fields(config), config.hidden_size, layer_idx)
-        # (hash ids, state, document distances [T, B] or None), set per call
-        self.engram_step: tuple[torch.Tensor, EngramCacheState, torch.Tensor | None] | None = None
+        fields = _engram_fields(config)
+        heads = (fields.max_ngram_size - 1) * fields.n_head_per_ngram
+        table = EngramTable(int(fields.table_rows[str(layer_idx)]), heads,
+                            fields.n_embed_per_ngram // fields.n_head_per_ngram)
+        self.engram = Engram(fields, config.hidden_size, layer_idx, table=table)
+        # (hash ids [T, B, K], decoding state, kept positions [B, T] or None, document
+        # distances [T, B] or None): set per call
+        self.engram_step: tuple[torch.Tensor, EngramCacheState, torch.Tensor | None,
+                                torch.Tensor | None] | None = None
 
     def engram_output(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Engram(h) for [B, T, d] (or the [B, T, n, d] streams); advances this layer's conv
         state in `engram_step`."""
-        hash_ids, state, distance = self.engram_step
+        hash_ids, state, keep, distance = self.engram_step
         layer = self.engram.layer_id
         conv = self.engram.short_conv
-        streaming = _StreamingShortConv(conv)
-        streaming.state = state.conv[layer].to(hidden_states.dtype)
+        streaming = StreamingShortConv(conv, state.conv[layer].to(hidden_states.dtype),
+                                       None if keep is None else keep.to(hidden_states.device))
         self.engram._modules["short_conv"] = streaming
         try:
-            y = self.engram(hidden_states.transpose(0, 1).contiguous(),
-                            hash_ids=hash_ids.to(hidden_states.device),
+            memory = self.engram.multi_head_embedding(hash_ids.to(hidden_states.device))
+            y = self.engram(hidden_states.transpose(0, 1).contiguous(), memory=memory,
                             document_distance=None if distance is None else distance.to(
                                 hidden_states.device))
         finally:
@@ -250,6 +298,42 @@ class EngramDeepseekV3Model(DeepseekV3Model):
             conv[layer] = torch.zeros(batch, channels, module.short_conv.left_pad, device=device)
         return EngramCacheState(hasher.new_history(batch), conv)
 
+    def _hash(self, state: EngramCacheState, ids: np.ndarray, keep: torch.Tensor | None):
+        """Hashes [L, B, T, K] of `ids`; a row's padding positions are left out of its n-gram
+        history (their hashes are zero and never used)."""
+        hasher = self.engram_hash.hasher()
+        if keep is None:
+            return hasher.extend(state.history, ids)
+        kept = keep.cpu().numpy()
+        out = np.zeros((len(self.engram_hash.layer_ids), *ids.shape, hasher.num_heads), np.int64)
+        for row in range(ids.shape[0]):
+            cols = np.flatnonzero(kept[row])
+            out[:, row, cols] = hasher.extend(state.history[row: row + 1], ids[row: row + 1, cols])[:, 0]
+        return out
+
+    def _document_distance(self, state: EngramCacheState, ids: np.ndarray,
+                           keep: torch.Tensor | None) -> torch.Tensor | None:
+        """Document distances [T, B] of `ids` (``engram_reset_at_eos``; None without it),
+        continuing each row's ``state.since_start``; a row's padding positions are left out (their
+        distance is 0: the conv output there is never used, and their values are zero)."""
+        eos_id = self.engram_hash.hasher().eos_id
+        if eos_id is None:
+            return None
+        if state.since_start is None:
+            state.since_start = np.zeros(ids.shape[0], np.int64)
+        if keep is None:
+            found, state.since_start = continue_document_distance(ids, eos_id, state.since_start)
+        else:
+            kept = keep.cpu().numpy()
+            found = np.zeros(ids.shape, np.int64)
+            for row in range(ids.shape[0]):
+                cols = np.flatnonzero(kept[row])
+                part, since = continue_document_distance(
+                    ids[row: row + 1, cols], eos_id, state.since_start[row: row + 1])
+                found[row, cols] = part[0]
+                state.since_start[row] = since[0]
+        return torch.from_numpy(np.ascontiguousarray(found.T))
+
     def forward(self, input_ids=None, *args, inputs_embeds=None, use_cache=None, **kwargs):
         if self.engram_hash is None:  # mHC alone
             return super().forward(input_ids, *args, inputs_embeds=inputs_embeds,
@@ -262,18 +346,14 @@ class EngramDeepseekV3Model(DeepseekV3Model):
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
         state = self._engram_state(cache, input_ids.shape[0], input_ids.device)
-        hasher = self.engram_hash.hasher()
-        hashes = hasher.extend(state.history, input_ids.cpu().numpy())
-        distance = None
-        if hasher.eos_id is not None:  # the short conv stops at document starts
-            if state.since_start is None:
-                state.since_start = np.zeros(input_ids.shape[0], np.int64)
-            found, state.since_start = continue_document_distance(
-                input_ids.cpu().numpy(), hasher.eos_id, state.since_start)
-            distance = torch.from_numpy(np.ascontiguousarray(found.T))
+        keep = _kept_positions(kwargs.get("attention_mask"), input_ids.shape[1])
+        ids = input_ids.cpu().numpy()
+        hashes = self._hash(state, ids, keep)
+        distance = self._document_distance(state, ids, keep)
         for index, layer in enumerate(self.engram_hash.layer_ids):
             block = torch.from_numpy(np.ascontiguousarray(hashes[index].transpose(1, 0, 2)))
-            self.layers[layer].engram_step = (block, state, distance)  # sequence first
+            # [T, B, K] sequence first; kept positions [B, T] and document distances [T, B]
+            self.layers[layer].engram_step = (block, state, keep, distance)
         try:
             output = super().forward(input_ids, *args, cache=cache, use_cache=use_cache, **kwargs)
         finally:
@@ -283,6 +363,22 @@ class EngramDeepseekV3Model(DeepseekV3Model):
         if cache is not None:
             cache.engram_state = state
         return output
+
+
+def _kept_positions(attention_mask, length: int) -> torch.Tensor | None:
+    """The token positions [B, length] of this call's ids in a 2-D ``attention_mask`` (its last
+    `length` columns), None when every position is a token. Right padding (a row's pad after
+    one of its tokens) is refused: decoding would continue from the pads."""
+    if attention_mask is None or attention_mask.ndim != 2:
+        return None
+    mask = attention_mask.bool()
+    started = mask.long().cumsum(-1) > 0
+    if bool((started & ~mask).any()):
+        raise ValueError("attention_mask pads a row after its tokens (right padding): Engram "
+                         "skips padding only before a row's tokens; pad on the left "
+                         "(tokenizer.padding_side = 'left')")
+    keep = mask[:, -length:]
+    return None if bool(keep.all()) else keep
 
 
 class EngramDeepseekV3ForCausalLM(DeepseekV3ForCausalLM):

@@ -76,6 +76,27 @@ class HFFolder:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handle(self.files[name]).get_slice(name).get_shape())
 
+    def read_block(self, name: str, start: tuple[int, ...], size: tuple[int, ...]) -> torch.Tensor:
+        """``tensor[start : start + size]`` in float32, read alone (safetensors ``get_slice``:
+        only those bytes leave the file); fp8 blocks are dequantized with their scales' block."""
+        box = tuple(slice(int(a), int(a) + int(n)) for a, n in zip(start, size))
+        value = self._handle(self.files[name]).get_slice(name)[box]
+        if value.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+            return value.float()
+        scale_name = name + SCALE_SUFFIX
+        if scale_name not in self.files:
+            raise HFSourceError(f"{name} is fp8 but {scale_name} is missing")
+        full = self.shape(name)
+        expected = tuple(-(-d // b) for d, b in zip(full, self.block_size))
+        scales = self._handle(self.files[scale_name]).get_slice(scale_name)
+        if tuple(scales.get_shape()) != expected:
+            raise HFSourceError(f"fp8 weight {full} with scales {tuple(scales.get_shape())}; "
+                                f"blocks of {self.block_size} need {expected}")
+        (r0, c0), (rows, cols), (b0, b1) = start, size, self.block_size
+        scale = scales[r0 // b0: (r0 + rows - 1) // b0 + 1, c0 // b1: (c0 + cols - 1) // b1 + 1]
+        scale = scale.float().repeat_interleave(b0, 0).repeat_interleave(b1, 1)
+        return value.float() * scale[r0 % b0: r0 % b0 + rows, c0 % b1: c0 % b1 + cols]
+
     def read(self, name: str) -> torch.Tensor:
         """The tensor in float32 (fp8 weights dequantized with their block scales)."""
         value = self._handle(self.files[name]).get_tensor(name)

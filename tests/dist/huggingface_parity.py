@@ -10,7 +10,9 @@ Import (``--imported CKPT``, written by engram-import-hf): the checkpoint is loa
 trainer's load path (model, optimizer, ``load_engram=false``) into the backbone alone and into
 the backbone with Engram (value projection at zero, and at its normal init), and each one's
 loss on the batch of ``--batch`` is written to ``<out>/import_losses.json``; so is the loss of
-``--imported-pp2`` (the same folder imported on two pipeline stages), backbone alone.
+``--imported-pp2`` (the same folder imported on two pipeline stages), backbone alone, and of
+``--imported-tp2ep2`` (imported at TP2 x EP2) with Engram added. The imports hold weights
+only: the trainer's load starts the optimizer afresh.
 """
 
 import json
@@ -57,11 +59,28 @@ def export_case(out: Path, name: str, overrides: list[str], use_engram: bool) ->
     torch.save(record, root / "megatron.pt")
 
 
+def trainer_model(cfg):
+    """Model (megatron DDP) and optimizer as the trainer builds them (training/job.py)."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+
+    from engram_train.training.optimizer import build_optimizer
+
+    config = build_transformer_config(cfg)
+    ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
+    model = build_model(config, VOCAB, int(cfg.train.seq_length), ddp)
+    t = cfg.train
+    opt = OptimizerConfig(
+        optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
+        adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps,
+        clip_grad=t.clip_grad, bf16=config.bf16, fp16=config.fp16,
+        params_dtype=config.params_dtype, use_distributed_optimizer=True)
+    return config, model, build_optimizer(opt, model, config)
+
+
 def imported_loss(imported: Path, batch: dict, engram: str | None) -> float:
     """The loss of the imported checkpoint as the trainer loads it (optimizer included)."""
     from megatron.core.utils import unwrap_model
-
-    from engram_train.hf.importer import _build
 
     preset = OmegaConf.load(imported / "conf" / "model" / "hf_import.yaml")
     cfg = run_config([], False)  # the demo tokenizer, copied into the imported folder
@@ -69,11 +88,8 @@ def imported_loss(imported: Path, batch: dict, engram: str | None) -> float:
         cfg.model = preset
         cfg.model.use_engram = engram is not None
         cfg.model.engram_value_init = engram or "zero"
-    config, model, opt = _build(cfg, VOCAB)
-    from engram_train.training.optimizer import build_optimizer
-
-    optimizer = build_optimizer(opt, model, config)
-    load_checkpoint(imported, model, optimizer, load_engram=False)
+    config, model, optimizer = trainer_model(cfg)
+    load_checkpoint(imported, model, optimizer, load_engram=False)  # model-only: fresh optimizer
     chunk = unwrap_model(model)[0].eval()
     ids = batch["ids"]
     return megatron_loss(chunk, ids[:, :-1].contiguous(), ids[:, 1:].contiguous())
@@ -81,7 +97,7 @@ def imported_loss(imported: Path, batch: dict, engram: str | None) -> float:
 
 def main():
     args = parse_args({"--imported": dict(default=None), "--imported-pp2": dict(default=None),
-                       "--batch": dict(default=None)})
+                       "--imported-tp2ep2": dict(default=None), "--batch": dict(default=None)})
     out = Path(args.out)
     initialize_distributed(ParallelSizes(), seed=3)
     for name, overrides in CASES.items():
@@ -95,6 +111,8 @@ def main():
             losses[label] = imported_loss(Path(args.imported), batch, engram)
     if args.imported_pp2:  # imported on two pipeline stages, loaded on one rank
         losses["backbone_pp2"] = imported_loss(Path(args.imported_pp2), batch, None)
+    if args.imported_tp2ep2:  # imported at TP2 x EP2, loaded on one rank with Engram added
+        losses["engram_zero_tp2ep2"] = imported_loss(Path(args.imported_tp2ep2), batch, "zero")
     (out / "import_losses.json").write_text(json.dumps(losses))
     write_result(args.out, {"cases": [*CASES, "engram", "engram_mhc"], "losses": losses})
 
