@@ -33,11 +33,13 @@ from pathlib import Path
 
 import numpy as np
 
+from engram_train.errors import EngramError
+
 TEXT_DOC_MODES = ("paragraph", "line", "file")
 BATCH_DOCS = 512
 
 
-class PreprocessError(ValueError):
+class PreprocessError(EngramError, ValueError):
     """Bad input; the message names the file (and line) and the fix."""
 
 

@@ -25,12 +25,13 @@ from pathlib import Path
 
 import torch
 
+from engram_train.errors import EngramError
 from engram_train.hf.config_map import HFConfigError, preset_from_hf
 from engram_train.hf.names import hf_pieces, local_to_global, rope_permutation
 from engram_train.hf.source import HFFolder, HFSourceError
 
 
-class HFImportError(ValueError):
+class HFImportError(EngramError, ValueError):
     """The folder cannot be imported; the message names the field, tensor or option."""
 
 

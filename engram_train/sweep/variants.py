@@ -21,6 +21,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from engram_train.config import EngramConfig
+from engram_train.errors import EngramError
 from engram_train.models.presets import CONF_DIR
 
 TOTAL_TOLERANCE = 0.01
@@ -31,7 +32,7 @@ CONTROL_FIELDS = {"one_row": "engram_one_row_per_head", "frozen": "engram_freeze
 Counter = Callable[[dict], dict]
 
 
-class SweepError(ValueError):
+class SweepError(EngramError, ValueError):
     """A sweep that cannot be derived or run; the message names the option and the fix."""
 
 

@@ -30,6 +30,8 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+from engram_train.errors import EngramError
+
 # Megatron-LM's spiky-loss factor (megatron/training/training.py: "spiky loss" check).
 SPIKE_FACTOR = 10.0
 SPIKE_WINDOW = 100
@@ -40,7 +42,7 @@ UNIFORM_LOSS_RTOL = 1e-3
 OK, SUSPECT, SPIKE, COLLAPSE, NONFINITE = "ok", "suspect", "spike", "collapse", "non-finite"
 
 
-class DivergenceError(RuntimeError):
+class DivergenceError(EngramError, RuntimeError):
     """The guard stopped the run; the message names the iteration, the good checkpoint and the fix."""
 
 

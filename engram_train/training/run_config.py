@@ -17,16 +17,13 @@ from typing import Any, Mapping
 
 import torch
 
+from engram_train.errors import ConfigError  # noqa: F401  (re-exported: callers import it here)
 from engram_train.runtime.distributed import ParallelSizes
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 RECOMPUTE = (None, "selective", "full")
 # Preset keys that are not megatron config fields.
 MODEL_ONLY_KEYS = {"first_k_dense_replace"}
-
-
-class ConfigError(ValueError):
-    """A run configuration that cannot work; the message names the key and the fix."""
 
 
 def _get(section: Mapping[str, Any], key: str, default=None):

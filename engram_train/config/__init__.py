@@ -1,0 +1,78 @@
+"""Every setting's type, default and one-line doc, in one place, at the bottom of the package
+order (nothing here imports another package of the project).
+
+- `model`: `EngramConfig` (the Engram fields), its option names (`CHOICES`), and the megatron
+  configs composed with it (`EngramTransformerConfig`, `EngramMLATransformerConfig`, built on
+  first access: importing megatron-core takes seconds);
+- `mhc`: `HyperConnectionConfig` (the mHC backbone fields) and `resolve`, the one derivation of
+  the mHC defaults and ``engram_hc_mult``;
+- `run`: the run config's typed sections (``experiment``, ``system``, ``train``,
+  ``checkpoint``, ``data``), registered with Hydra's ConfigStore as the base of
+  ``conf/train.yaml``;
+- `reference`: the README's configuration reference, generated from the sections' docs.
+"""
+
+from __future__ import annotations
+
+from engram_train.config import model as _model
+from engram_train.config.mhc import (
+    HyperConnectionConfig,
+    check_hyper_connections,
+    require_int,
+    residual_streams,
+    resolve,
+)
+from engram_train.config.model import (
+    CHOICES,
+    EMBEDDING_PARALLEL_METHODS,
+    ENGRAM_TABLE_DTYPES,
+    ENGRAM_VALUE_INITS,
+    TABLE_OPTIMIZERS,
+    TABLE_PLACEMENTS,
+    EngramConfig,
+    engram_table_dtype,
+)
+from engram_train.config.run import (
+    SECTIONS,
+    CheckpointConfig,
+    DataConfig,
+    ExperimentConfig,
+    RunConfig,
+    SystemConfig,
+    TrainConfig,
+    register,
+    typed_run_config,
+)
+
+register()
+
+__all__ = [
+    "CHOICES",
+    "EMBEDDING_PARALLEL_METHODS",
+    "ENGRAM_TABLE_DTYPES",
+    "ENGRAM_VALUE_INITS",
+    "SECTIONS",
+    "TABLE_OPTIMIZERS",
+    "TABLE_PLACEMENTS",
+    "CheckpointConfig",
+    "DataConfig",
+    "EngramConfig",
+    "EngramMLATransformerConfig",
+    "EngramTransformerConfig",
+    "ExperimentConfig",
+    "HyperConnectionConfig",
+    "RunConfig",
+    "SystemConfig",
+    "TrainConfig",
+    "check_hyper_connections",
+    "engram_table_dtype",
+    "require_int",
+    "residual_streams",
+    "resolve",
+    "typed_run_config",
+]
+
+
+def __getattr__(name: str):
+    """The megatron-composed configs, built by `model` on first access."""
+    return getattr(_model, name)
