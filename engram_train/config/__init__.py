@@ -1,11 +1,12 @@
 """Every setting's type, default and one-line doc, in one place, at the bottom of the package
 order (nothing here imports another package of the project).
 
-- `model`: `EngramConfig` (the Engram fields), its option names (`CHOICES`), and the megatron
-  configs composed with it (`EngramTransformerConfig`, `EngramMLATransformerConfig`, built on
-  first access: importing megatron-core takes seconds);
-- `mhc`: `HyperConnectionConfig` (the mHC backbone fields) and `resolve`, the one derivation of
-  the mHC defaults and ``engram_hc_mult``;
+- `model`: `EngramConfig` (the Engram fields), its option names (`CHOICES`), `resolve` (a model
+  section with every Engram and mHC field defaulted and ``engram_hc_mult`` derived), and the
+  megatron configs composed with it (`EngramTransformerConfig`, `EngramMLATransformerConfig`,
+  built on first access: importing megatron-core takes seconds);
+- `mhc`: `HyperConnectionConfig` (the mHC backbone fields) and `residual_streams`, the rule
+  ``engram_hc_mult`` follows;
 - `run`: the run config's typed sections (``experiment``, ``system``, ``train``,
   ``checkpoint``, ``data``), registered with Hydra's ConfigStore as the base of
   ``conf/train.yaml``;
@@ -20,7 +21,6 @@ from engram_train.config.mhc import (
     check_hyper_connections,
     require_int,
     residual_streams,
-    resolve,
 )
 from engram_train.config.model import (
     CHOICES,
@@ -31,6 +31,7 @@ from engram_train.config.model import (
     TABLE_PLACEMENTS,
     EngramConfig,
     engram_table_dtype,
+    resolve,
 )
 from engram_train.config.run import (
     SECTIONS,

@@ -1,12 +1,10 @@
 """The mHC backbone's fields (``docs/mhc.md``) and their rules, composed into the megatron
-configs by ``engram_train.config``; `resolve`, the one place the fields' defaults and
-``engram_hc_mult`` are derived; also the int check every config module shares."""
+configs by ``engram_train.config``; `residual_streams`, the rule ``engram_hc_mult`` follows;
+also the int check every config module shares."""
 
 from __future__ import annotations
 
-import dataclasses
 import numbers
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,18 +39,6 @@ def residual_streams(enable_hyper_connections: bool, num_residual_streams: int) 
     """Streams of the backbone's residual: ``num_residual_streams`` with mHC on, else 1. What
     an unset ``engram_hc_mult`` (None) follows."""
     return int(num_residual_streams) if enable_hyper_connections else 1
-
-
-def resolve(model: Mapping[str, Any]) -> dict[str, Any]:
-    """A model section (a preset, a saved run config's ``model``, an export's config) with its
-    mHC fields defaulted and ``engram_hc_mult`` derived: what the trainer's config resolves to,
-    for the readers that hold a mapping (export, transformers, sweep)."""
-    out = {f.name: f.default for f in dataclasses.fields(HyperConnectionConfig)}
-    out.update({k: v for k, v in model.items() if v is not None or k not in out})
-    if out.get("engram_hc_mult") is None:
-        out["engram_hc_mult"] = residual_streams(out["enable_hyper_connections"],
-                                                 out["num_residual_streams"])
-    return out
 
 
 MHC_RECOMPUTE_MODULE = "mhc"

@@ -370,6 +370,25 @@ class EngramConfig:
             )
 
 
+def _default(f: dataclasses.Field) -> Any:
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
+def resolve(model: Mapping[str, Any]) -> dict[str, Any]:
+    """A model section (a preset, a saved run config's ``model``, an export's config) with
+    every Engram and mHC field present: its value, else the schema's default, and
+    ``engram_hc_mult`` derived from the backbone (`residual_streams`) when unset. The one
+    derivation the trainer, export, transformers interop and sweep share; the composed
+    megatron configs apply the same rule in `check_hyper_connections`."""
+    fields = dataclasses.fields(EngramConfig) + dataclasses.fields(HyperConnectionConfig)
+    out = {f.name: _default(f) for f in fields}
+    out.update(model.items())
+    if out["engram_hc_mult"] is None:
+        out["engram_hc_mult"] = residual_streams(out["enable_hyper_connections"],
+                                                 out["num_residual_streams"])
+    return out
+
+
 # -- composition with megatron-core ---------------------------------------------------------
 
 _COMPOSED = {

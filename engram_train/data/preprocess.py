@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
             progress=args.progress,
             skip_bad_lines=args.skip_bad_lines,
         )
-    except (PreprocessError, FileNotFoundError) as e:
+    except (EngramError, FileNotFoundError) as e:
         print(f"engram-preprocess: {e}; nothing was written", file=sys.stderr)
         return 1
     print(

@@ -18,7 +18,7 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from engram_train.config import EngramConfig
+from engram_train.config import EngramConfig, resolve
 from engram_train.export.errors import ExportError
 from engram_train.training.run_identity import ENGRAM_DERIVED, ENGRAM_FIELDS, engram_identity
 
@@ -145,10 +145,9 @@ def engram_from_run_config(doc: dict, where: str):
         raise ExportError(
             f"{where}: model.use_engram is not true; there is no Engram memory to export"
         )
-    fields = {k: model[k] for k in EngramConfig.field_names() if k in model}
-    if fields.get("engram_hc_mult") is None and model.get("enable_hyper_connections"):
-        # unset follows the backbone: Engram reads and writes every mHC residual stream
-        fields["engram_hc_mult"] = model.get("num_residual_streams", 4)
+    # unset engram_hc_mult follows the backbone: Engram reads and writes every residual stream
+    resolved = resolve(model)
+    fields = {k: resolved[k] for k in EngramConfig.field_names()}
     try:
         engram = EngramConfig.from_dict(fields)
     except (TypeError, ValueError) as err:

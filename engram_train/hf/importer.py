@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> None:
         import_hf(args.hf, args.out, tokenizer=args.tokenizer, preset_name=args.preset_name,
                   drop_mtp=args.drop_mtp, engram_layer_ids=args.engram_layer_ids,
                   seq_length=args.seq_length, pipeline=args.pipeline_parallel_size)
-    except (HFImportError, HFConfigError, HFSourceError) as err:
+    except EngramError as err:
         raise SystemExit(f"engram-import-hf: error: {err}") from None
 
 
