@@ -62,7 +62,7 @@ class SystemConfig:
     """`null`, `selective`, `full`"""
 
     recompute_modules: Optional[List[str]] = None
-    """with `selective`: megatron's modules, plus `mhc` (the mHC mappings); null: megatron's default, and `mhc` on with mHC (unless `full`)"""
+    """with `selective`: megatron's modules (`core_attn`, `mlp`, `moe`, ...); `mhc` recomputes the mHC mappings (null: megatron's default, plus `mhc` with mHC unless `full`; docs/mhc.md)"""
 
     recompute_method: str = "uniform"
     """with `full`: `uniform` or `block`"""
@@ -218,7 +218,7 @@ class DataConfig:
     """megatron GPT dataset option"""
 
     reset_attention_mask: bool = False
-    """megatron GPT dataset option"""
+    """refused when true: the attention (local and Transformer Engine) has no per-document mask; `model.engram_reset_at_eos` keeps Engram within documents"""
 
     eod_mask_loss: bool = False
     """megatron GPT dataset option"""
