@@ -158,3 +158,20 @@ def test_run_schema_types_defaults_and_unknown_keys():
     with initialize_config_dir(config_dir=conf, version_base=None):
         with pytest.raises(ConfigCompositionException, match="train.lr=abc"):
             compose(config_name="train", overrides=["train.lr=abc"])
+
+
+def test_readme_reference_lists_every_run_config_key():
+    """README.md "Configuration reference" and engram_train/config/run.py name the same keys in
+    each typed section."""
+    import dataclasses
+    import re
+
+    from engram_train.config import SECTIONS
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    reference = readme.split("## Configuration reference", 1)[1].split("\n## ", 1)[0]
+    for name, schema in SECTIONS.items():
+        table = reference.split(f"### `{name}`", 1)[1].split("\n### ", 1)[0]
+        keys = {k for row in table.splitlines() if row.startswith("| `")
+                for k in re.findall(r"`(\w+)`", row.split("|")[1])}
+        assert keys == {f.name for f in dataclasses.fields(schema)}, name

@@ -1,16 +1,15 @@
 """Every setting's type, default and one-line doc, in one place, at the bottom of the package
-order (nothing here imports another package of the project).
+order (nothing here imports another package of the project but `errors`).
 
 - `model`: `EngramConfig` (the Engram fields), its option names (`CHOICES`), `resolve` (a model
   section with every Engram and mHC field defaulted and ``engram_hc_mult`` derived), and the
   megatron configs composed with it (`EngramTransformerConfig`, `EngramMLATransformerConfig`,
   built on first access: importing megatron-core takes seconds);
-- `mhc`: `HyperConnectionConfig` (the mHC backbone fields) and `residual_streams`, the rule
-  ``engram_hc_mult`` follows;
+- `mhc`: `HyperConnectionConfig` (the mHC backbone fields), `residual_streams`, the rule
+  ``engram_hc_mult`` follows, and the default of the ``mhc`` recompute module;
 - `run`: the run config's typed sections (``experiment``, ``system``, ``train``,
   ``checkpoint``, ``data``), registered with Hydra's ConfigStore as the base of
-  ``conf/train.yaml``;
-- `reference`: the README's configuration reference, generated from the sections' docs.
+  ``conf/train.yaml`` (README.md "Configuration reference" lists the same keys).
 """
 
 from __future__ import annotations
