@@ -14,14 +14,24 @@ import os
 import sys
 from pathlib import Path
 
+from engram_train.errors import EngramError
+
 METRICS_FILE = "metrics.jsonl"
+
+
+class PlotError(EngramError, ValueError):
+    """Nothing to plot, or a metrics file that cannot be read; the message names it."""
+
+
+class MetricsNotFoundError(PlotError, FileNotFoundError):
+    """No ``metrics.jsonl`` where a run was named."""
 
 
 def _metrics_file(path: str | os.PathLike) -> Path:
     p = Path(path)
     file = p / METRICS_FILE if p.is_dir() else p
     if not file.is_file():
-        raise FileNotFoundError(f"no {METRICS_FILE} at '{path}': give a run folder or the file")
+        raise MetricsNotFoundError(f"no {METRICS_FILE} at '{path}': give a run folder or the file")
     return file
 
 
@@ -38,7 +48,7 @@ def load_metrics(path: str | os.PathLike) -> dict[str, tuple[list[int], list[flo
         except json.JSONDecodeError:
             if lineno == len(lines):
                 continue  # a line cut short by a run that is still writing
-            raise ValueError(f"{file}:{lineno}: not valid JSON") from None
+            raise PlotError(f"{file}:{lineno}: not valid JSON") from None
         by_iter.setdefault(int(rec["iteration"]), {}).update(rec)
     out = {}
     for name, key in (("train", "lm_loss"), ("val", "val_loss")):
@@ -50,7 +60,7 @@ def load_metrics(path: str | os.PathLike) -> dict[str, tuple[list[int], list[flo
 def smooth_ema(values: list[float], weight: float) -> list[float]:
     """TensorBoard-style debiased exponential moving average; `weight` in [0, 1)."""
     if not 0.0 <= weight < 1.0:
-        raise ValueError(f"smoothing weight must be in [0, 1), got {weight}")
+        raise PlotError(f"smoothing weight must be in [0, 1), got {weight}")
     out, avg, norm = [], 0.0, 0.0
     for v in values:
         avg = weight * avg + (1.0 - weight) * v
@@ -87,7 +97,7 @@ def plot_runs(
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     if not paths:
-        raise ValueError("no run to plot")
+        raise PlotError("no run to plot")
     labels = run_labels(paths)
     fig, ax = plt.subplots(figsize=(9, 5.5), dpi=120)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -109,7 +119,7 @@ def plot_runs(
             drawn += 1
     if not drawn:
         plt.close(fig)
-        raise ValueError(f"no lm_loss or val_loss values in {', '.join(map(str, paths))}")
+        raise PlotError(f"no lm_loss or val_loss values in {', '.join(map(str, paths))}")
     ax.set_xlabel("iteration")
     ax.set_ylabel("lm loss" + (" (log scale)" if logy else ""))
     if logy:
@@ -149,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
             one = len(args.runs) == 1
             args.out = _metrics_file(args.runs[0]).parent / "loss.png" if one else "loss.png"
         out = plot_runs(args.runs, args.out, smooth=args.smooth, title=args.title, logy=args.logy)
-    except (FileNotFoundError, ValueError) as e:
+    except EngramError as e:
         print(f"engram-plot: {e}", file=sys.stderr)
         return 1
     print(out)

@@ -20,6 +20,7 @@ Configuration: conf/train.yaml (+ conf/model/*.yaml), every key documented in RE
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import sys
@@ -34,6 +35,8 @@ quiet_known_warnings()
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
+from engram_train.config import typed_run_config  # noqa: E402
+from engram_train.errors import ConfigError, EngramError  # noqa: E402
 from engram_train.logs import console  # noqa: E402
 from engram_train.models.presets import CONF_DIR  # noqa: E402
 from engram_train.training.plan import check  # noqa: E402
@@ -43,6 +46,7 @@ log = logging.getLogger("engram_train")
 
 def run(cfg: DictConfig) -> dict:
     """Train as configured; returns the final metrics of this rank (for tests/tools)."""
+    cfg = typed_run_config(cfg)  # a config composed by hand or saved by an older version
     plan = check(cfg)
     # The later stages import megatron's data, model and optimizer modules: only once the
     # config has passed `check`, so that a config error shows at once.
@@ -108,43 +112,44 @@ def interrupted_message(cfg: DictConfig) -> str:
             f"with checkpoint.load={save}")
 
 
-# The project's own errors, by module and class. Looked up in sys.modules after the fact, so that
-# `main` imports none of these modules (megatron's among them) before the config is validated.
-CONFIG_ERRORS = (
-    ("engram_train.training.run_config", "ConfigError"),
-    ("engram_train.engram.compressed_tokenizer", "TokenizerNotFoundError"),
-)
-RUN_ERRORS = (
-    ("engram_train.training.run_identity", "ResumeMismatchError"),
-    ("engram_train.checkpoint.errors", "CheckpointError"),
-    ("engram_train.training.faults", "NonFiniteTrainingError"),
-    ("engram_train.training.divergence", "DivergenceError"),
-    ("engram_train.runtime.patches", "UntestedMegatronCoreError"),
-)
-
-
-def _is_one_of(error: BaseException, classes) -> bool:
-    for module, name in classes:
-        cls = getattr(sys.modules.get(module), name, None)
-        if cls is not None and isinstance(error, cls):
-            return True
-    return False
-
-
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="train")
-def main(cfg: DictConfig) -> None:
+def _main(cfg: DictConfig) -> None:
     """Errors the project raises on purpose (bad config or input, a refused checkpoint, a
-    diverged run) end with their message and exit code 1; anything else keeps its traceback."""
+    diverged run: `EngramError`) end with their message and exit code 1; anything else keeps
+    its traceback."""
+    _speak()
     try:
         run(cfg)
     except KeyboardInterrupt:
         _exit_with_message(f"engram-train: {interrupted_message(cfg)}")
-    except Exception as e:
-        if _is_one_of(e, CONFIG_ERRORS):
-            _exit_with_message(f"engram-train: invalid configuration: {e}")
-        if _is_one_of(e, RUN_ERRORS):
-            _exit_with_message(f"engram-train: {e}")
+    except EngramError as e:
+        what = "invalid configuration: " if isinstance(e, ConfigError) else ""
+        _exit_with_message(f"engram-train: {what}{e}")
+
+
+_STDERR = sys.stderr
+
+
+def _speak() -> None:
+    sys.stderr = _STDERR
+
+
+def main() -> None:
+    """The console script. Hydra prints a composition error (a wrong type such as
+    ``train.lr=abc``, an unknown key) itself, on every rank that composes: a node's first rank
+    says it; the other ranks keep quiet until their config is composed (`_speak`)."""
+    quiet = os.environ.get("LOCAL_RANK", "0") != "0"
+    if quiet:
+        sys.stderr = io.StringIO()
+    try:
+        _main()
+    except SystemExit:
+        if quiet and sys.stderr is not _STDERR:  # failed while composing: rank 0 reports it
+            _speak()
+            time.sleep(2.0)
         raise
+    finally:
+        _speak()
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pickle
 
 import pytest
+from pathlib import Path
 
 from engram_train.config import EngramConfig
 
@@ -135,3 +136,42 @@ def test_engram_mla_transformer_config_composes():
     assert isinstance(config, MLATransformerConfig) and config.multi_latent_attention
     with pytest.raises(ValueError, match="engram_layer_ids"):
         EngramMLATransformerConfig(**MEGATRON, **VALID, engram_layer_ids=[7])
+
+
+def test_run_schema_types_defaults_and_unknown_keys():
+    """The run config's sections are typed (engram_train/config/run.py): an old config lacking a
+    key reads its default; a wrong type or an unknown key names the field."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import ConfigCompositionException
+
+    from engram_train.config import TrainConfig, typed_run_config
+    from engram_train.errors import ConfigError, EngramError
+
+    old = typed_run_config({"train": {"lr": 1e-3}, "model": {"num_layers": 2}})
+    assert old.train.lr == 1e-3 and old.train.divergence_window == TrainConfig.divergence_window
+    with pytest.raises(ConfigError, match=r"train.lr: .*'abc'.*Float"):
+        typed_run_config({"train": {"lr": "abc"}})
+    with pytest.raises(ConfigError, match=r"train.foo: Key 'foo' not in 'TrainConfig'"):
+        typed_run_config({"train": {"foo": 1}})
+    assert issubclass(ConfigError, EngramError)
+    conf = str(Path(__file__).resolve().parents[1] / "conf")
+    with initialize_config_dir(config_dir=conf, version_base=None):
+        with pytest.raises(ConfigCompositionException, match="train.lr=abc"):
+            compose(config_name="train", overrides=["train.lr=abc"])
+
+
+def test_readme_reference_lists_every_run_config_key():
+    """README.md "Configuration reference" and engram_train/config/run.py name the same keys in
+    each typed section."""
+    import dataclasses
+    import re
+
+    from engram_train.config import SECTIONS
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    reference = readme.split("## Configuration reference", 1)[1].split("\n## ", 1)[0]
+    for name, schema in SECTIONS.items():
+        table = reference.split(f"### `{name}`", 1)[1].split("\n### ", 1)[0]
+        keys = {k for row in table.splitlines() if row.startswith("| `")
+                for k in re.findall(r"`(\w+)`", row.split("|")[1])}
+        assert keys == {f.name for f in dataclasses.fields(schema)}, name

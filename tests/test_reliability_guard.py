@@ -12,6 +12,7 @@ import sys
 
 import pytest
 from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
 
 from launch import REPO, free_port
 
@@ -82,10 +83,11 @@ def test_guard_keys_are_validated_and_the_guard_can_be_switched_off():
     guard = guard_from_config(_cfg(), 4096)
     assert (guard.spike_factor, guard.window, guard.collapse_steps) == (10.0, 100, 2)
     for override, key in [("train.divergence_spike_factor=1", "train.divergence_spike_factor=1"),
-                          ("train.divergence_window=0", "train.divergence_window=0"),
-                          ("train.divergence_guard=maybe", "train.divergence_guard='maybe'")]:  # fmt: skip
+                          ("train.divergence_window=0", "train.divergence_window=0")]:  # fmt: skip
         with pytest.raises(ConfigError, match=key):
             guard_from_config(_cfg(override), 4096)
+    with pytest.raises(ConfigCompositionException, match="train.divergence_guard=maybe"):  # typed
+        _cfg("train.divergence_guard=maybe")
     with pytest.raises(ConfigError, match="train.divergence_collapse_steps=0"):  # checked at start-up
         check(_cfg("train.divergence_collapse_steps=0", "experiment.exp_dir=/tmp/engram_guard_check"))
 

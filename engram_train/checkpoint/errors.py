@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from engram_train.errors import EngramError
 
-class CheckpointError(RuntimeError):
+
+class CheckpointError(EngramError, RuntimeError):
     """A checkpoint could not be saved or loaded; the message names the file and what to do."""
 
 

@@ -33,11 +33,13 @@ from pathlib import Path
 
 import numpy as np
 
+from engram_train.errors import EngramError
+
 TEXT_DOC_MODES = ("paragraph", "line", "file")
 BATCH_DOCS = 512
 
 
-class PreprocessError(ValueError):
+class PreprocessError(EngramError, ValueError):
     """Bad input; the message names the file (and line) and the fix."""
 
 
@@ -336,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
             progress=args.progress,
             skip_bad_lines=args.skip_bad_lines,
         )
-    except (PreprocessError, FileNotFoundError) as e:
+    except (EngramError, FileNotFoundError) as e:
         print(f"engram-preprocess: {e}; nothing was written", file=sys.stderr)
         return 1
     print(

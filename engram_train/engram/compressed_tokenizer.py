@@ -19,6 +19,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from engram_train.errors import ConfigError
+
 # Bump when the key rule or the normalizer changes: old cache files then stop matching.
 _CACHE_FORMAT = "v1"
 _REPLACEMENT_CHAR = "\ufffd"
@@ -42,7 +44,7 @@ def _normalizer():
     )
 
 
-class TokenizerNotFoundError(FileNotFoundError):
+class TokenizerNotFoundError(ConfigError, FileNotFoundError):
     """No ``tokenizer.json`` where a config field points."""
 
 

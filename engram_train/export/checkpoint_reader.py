@@ -27,6 +27,8 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from engram_train.errors import EngramError
+
 MEGATRON_METADATA = "metadata.json"
 COMMON_STATE = "common.pt"
 DCP_METADATA = ".metadata"
@@ -35,7 +37,7 @@ DCP_METADATA = ".metadata"
 OPTIMIZER_KEY = re.compile(r"^(chained_\d+\.)?optimizer\.")
 
 
-class CheckpointFormatError(ValueError):
+class CheckpointFormatError(EngramError, ValueError):
     """A directory that is not a readable megatron torch_dist checkpoint."""
 
 

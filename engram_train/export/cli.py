@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import re
 
+from engram_train.errors import EngramError
 from engram_train.export.config_source import read_config_file
 from engram_train.export.errors import ExportError
 from engram_train.export.exporter import DEFAULT_SHARD_BYTES, TABLE_DTYPES
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
             tokenizer=args.tokenizer, force=args.force, max_shard_bytes=args.max_shard_size,
             verify=args.verify, **{name: options[name] for name in fmt.options},
         )
-    except ExportError as err:
+    except EngramError as err:
         raise SystemExit(f"engram-export: error: {err}") from None
 
 

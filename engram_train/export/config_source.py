@@ -18,7 +18,7 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from engram_train.config import EngramConfig
+from engram_train.config import EngramConfig, resolve
 from engram_train.export.errors import ExportError
 from engram_train.training.run_identity import ENGRAM_DERIVED, ENGRAM_FIELDS, engram_identity
 
@@ -78,10 +78,23 @@ def check_run_identity(manifest: dict | None, engram, mapping, where: str, direc
     )
 
 
-def _read_yaml(path: Path) -> dict:
+def _read_yaml(path: Path, refuse_composable: bool = False) -> dict:
+    """The YAML at ``path``, interpolations resolved. ``refuse_composable``: a config to compose
+    (``conf/train.yaml``: a defaults list, no model section, interpolations into the structured
+    config's sections) is refused by name before anything is resolved."""
     try:
-        return OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+        conf = OmegaConf.load(path)
+        if (refuse_composable and OmegaConf.is_dict(conf) and "defaults" in conf
+                and "model" not in conf):
+            raise ExportError(
+                f"--config {path} is a config to compose (it lists defaults and has no model "
+                "section), not the resolved config of a run: pass <experiment.exp_dir>/config.yaml, "
+                "which engram-train writes"
+            )
+        return OmegaConf.to_container(conf, resolve=True)
     except (OmegaConfBaseException, OSError, ValueError) as err:
+        if isinstance(err, ExportError):
+            raise
         raise ExportError(
             f"--config {path}: cannot read it as a resolved run config ({err}); give the "
             "config.yaml that engram-train writes into experiment.exp_dir"
@@ -94,14 +107,7 @@ def read_config_file(path: str | os.PathLike) -> dict:
     path = Path(path)
     if not path.is_file():
         raise ExportError(f"--config {path}: file does not exist")
-    doc = _read_yaml(path)
-    if isinstance(doc, dict) and "defaults" in doc and "model" not in doc:
-        raise ExportError(
-            f"--config {path} is a config to compose (it lists defaults and has no model "
-            "section), not the resolved config of a run: pass <experiment.exp_dir>/config.yaml, "
-            "which engram-train writes"
-        )
-    return doc
+    return _read_yaml(path, refuse_composable=True)
 
 
 def find_run_config(config: str | os.PathLike | None, root: Path,
@@ -145,10 +151,9 @@ def engram_from_run_config(doc: dict, where: str):
         raise ExportError(
             f"{where}: model.use_engram is not true; there is no Engram memory to export"
         )
-    fields = {k: model[k] for k in EngramConfig.field_names() if k in model}
-    if fields.get("engram_hc_mult") is None and model.get("enable_hyper_connections"):
-        # unset follows the backbone: Engram reads and writes every mHC residual stream
-        fields["engram_hc_mult"] = model.get("num_residual_streams", 4)
+    # unset engram_hc_mult follows the backbone: Engram reads and writes every residual stream
+    resolved = resolve(model)
+    fields = {k: resolved[k] for k in EngramConfig.field_names()}
     try:
         engram = EngramConfig.from_dict(fields)
     except (TypeError, ValueError) as err:

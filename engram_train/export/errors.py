@@ -1,5 +1,7 @@
 """The export's error: the message names the input to fix."""
 
+from engram_train.errors import EngramError
 
-class ExportError(ValueError):
+
+class ExportError(EngramError, ValueError):
     """The export cannot be made; the message names the input to fix."""

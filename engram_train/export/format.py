@@ -23,6 +23,7 @@ import numpy as np
 from engram_train.engram.ngram_hash import _LAYER_SEED_STRIDE as LAYER_SEED_STRIDE
 from engram_train.engram.engram_module import CONV_NORM_EPS, GATE_NORM_EPS, GATE_SCORE_FLOOR
 from engram_train.engram.reference_io import OFFSETS, REFERENCE_TABLE
+from engram_train.errors import EngramError
 
 FORMAT_NAME = "engram_train.inference_export"
 FORMAT_VERSION = 1
@@ -64,7 +65,7 @@ def layer_tensor_names(hc_mult: int) -> list[str]:
     return names
 
 
-class ExportFormatError(ValueError):
+class ExportFormatError(EngramError, ValueError):
     """An export directory this reader cannot use; the message says what is wrong."""
 
 

@@ -13,8 +13,10 @@ import dataclasses
 import math
 from typing import Any
 
+from engram_train.errors import EngramError
 
-class HFConfigError(ValueError):
+
+class HFConfigError(EngramError, ValueError):
     """A field that cannot be converted; the message names it and says what to change."""
 
 

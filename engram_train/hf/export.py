@@ -150,8 +150,11 @@ def engram_extras(plan) -> tuple[dict, dict[str, torch.Tensor]]:
 
 def mhc_section(model: dict) -> dict:
     """config.json's ``hyper_connections`` section: what the mHC mappings need."""
-    return {"num_residual_streams": int(model.get("num_residual_streams", 4)),
-            "sinkhorn_iterations": int(model.get("mhc_sinkhorn_iterations", 20)),
+    from engram_train.config import resolve
+
+    mhc = resolve(model)
+    return {"num_residual_streams": int(mhc["num_residual_streams"]),
+            "sinkhorn_iterations": int(mhc["mhc_sinkhorn_iterations"]),
             "norm_eps": float(model.get("layernorm_epsilon", 1e-6))}
 
 

@@ -31,12 +31,13 @@ from pathlib import Path
 
 import torch
 
+from engram_train.errors import EngramError
 from engram_train.hf.config_map import HFConfigError, preset_from_hf
 from engram_train.hf.names import UnmappedTensorError, hf_pieces, rope_permutation
 from engram_train.hf.source import HFFolder, HFSourceError
 
 
-class HFImportError(ValueError):
+class HFImportError(EngramError, ValueError):
     """The folder cannot be imported; the message names the field, tensor or option."""
 
 
@@ -346,7 +347,7 @@ def main(argv: list[str] | None = None) -> None:
                   drop_mtp=args.drop_mtp, engram_layer_ids=args.engram_layer_ids,
                   seq_length=args.seq_length, tensor=args.tensor_model_parallel_size,
                   expert=args.expert_model_parallel_size, pipeline=args.pipeline_parallel_size)
-    except (HFImportError, HFConfigError, HFSourceError) as err:
+    except EngramError as err:
         raise SystemExit(f"engram-import-hf: error: {err}") from None
 
 

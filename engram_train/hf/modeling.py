@@ -56,7 +56,8 @@ def _engram_fields(config: EngramDeepseekV3Config) -> SimpleNamespace | None:
     if missing:
         raise ValueError(f"config.engram lacks {missing}: export the model with engram-export "
                          "--format hf")
-    fields["engram_hc_mult"] = fields.get("engram_hc_mult") or 1
+    if fields.get("engram_hc_mult") is None:  # follows the backbone (config.resolve's rule)
+        fields["engram_hc_mult"] = _num_streams(config)
     return SimpleNamespace(**fields)
 
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from engram_train.errors import EngramError
+
 HF_PREFIX = "model."
 
 
@@ -32,7 +34,7 @@ class Piece:
         return self.size[1:] if self.squeeze else self.size
 
 
-class UnmappedTensorError(ValueError):
+class UnmappedTensorError(EngramError, ValueError):
     """A checkpoint tensor with no transformers name (the message names it)."""
 
 

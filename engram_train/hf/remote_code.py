@@ -17,6 +17,8 @@ import re
 import sys
 from pathlib import Path
 
+from engram_train.errors import EngramError
+
 # package module -> file in the folder
 MODULES = {
     "engram_train.hf.configuration": "configuration_engram_deepseek_v3.py",
@@ -33,7 +35,7 @@ ALLOWED = {"torch", "numpy", "transformers"} | set(sys.stdlib_module_names)
 _IMPORT = re.compile(r"^from (engram_train(?:\.\w+)+) import ", re.MULTILINE)
 
 
-class RemoteCodeError(ValueError):
+class RemoteCodeError(EngramError, ValueError):
     """A copied module imports something the folder cannot provide (names the module)."""
 
 

@@ -14,10 +14,12 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from engram_train.errors import EngramError
+
 SCALE_SUFFIX = "_scale_inv"
 
 
-class HFSourceError(ValueError):
+class HFSourceError(EngramError, ValueError):
     """A folder this import cannot read; the message names the file or tensor."""
 
 

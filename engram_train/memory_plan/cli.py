@@ -21,11 +21,13 @@ import re
 import sys
 from dataclasses import replace
 
+from engram_train.errors import EngramError
+
 UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
          "t": 10**12, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 
 
-class PlanError(ValueError):
+class PlanError(EngramError, ValueError):
     """A bad ``engram-plan`` argument; the message names it and the fix."""
 
 

@@ -9,7 +9,7 @@ overridden; it tracks megatron-core 0.16.1 / 0.19.2 ``TransformerLayer._forward_
 ``_forward_mlp`` (same submodule calls, minus the inference-only fused paths, cross attention,
 and the activation-offload hooks). Under selective recompute, megatron's ``core_attn`` and MoE
 recompute stay inside the modules; ``mlp`` is recomputed here as megatron does it, and ``mhc``
-(in ``recompute_modules``, upstream's name; on by default with mHC, ``mhc_config.py``) keeps
+(in ``recompute_modules``, upstream's name; on by default with mHC, ``config/mhc.py``) keeps
 only each sublayer's X and output for the backward and recomputes the mapping from X.
 
 With sequence parallelism the streams are ``[s/tp, b, n*h]``: the mappings see this rank's

@@ -39,10 +39,10 @@ def backbone_preset(name: str) -> dict[str, Any]:
     for a composed config: ``engram_train.config``)."""
     import dataclasses
 
-    from engram_train.config import EngramConfig, HyperConnectionConfig
+    from engram_train.config import EngramConfig, HyperConnectionConfig, resolve
 
     dropped = set(EngramConfig.field_names())
     preset = model_preset(name)
-    if not preset.get("enable_hyper_connections"):
+    if not resolve(preset)["enable_hyper_connections"]:
         dropped |= {f.name for f in dataclasses.fields(HyperConnectionConfig)}
     return {k: v for k, v in preset.items() if k not in dropped}

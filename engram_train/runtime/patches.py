@@ -41,6 +41,7 @@ from typing import Any
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
+from engram_train.errors import EngramError
 from engram_train.runtime import cpu_compat, megatron_fixes
 
 logger = logging.getLogger(__name__)
@@ -52,7 +53,7 @@ ALLOW_UNTESTED_ENV = "ENGRAM_ALLOW_UNTESTED_MEGATRON"
 DISABLE_ENV = "ENGRAM_DISABLE_PATCHES"
 
 
-class UntestedMegatronCoreError(RuntimeError):
+class UntestedMegatronCoreError(EngramError, RuntimeError):
     """The installed megatron-core is not one the version-dependent patches were tested on."""
 
 

@@ -35,6 +35,8 @@ import json
 import sys
 from pathlib import Path
 
+from engram_train.config import resolve
+from engram_train.errors import EngramError
 from engram_train.sweep.variants import CONTROLS, DEFAULT_RHOS, SweepError
 
 DEMO = {"data_path": "examples/data/demo_text_document", "split": "90,10,0",
@@ -118,7 +120,7 @@ def _data(args) -> dict:
 def _table_use(variant, tokens: int) -> dict:
     """Rows per table and how often an average row is looked up over the run's tokens."""
     m = variant.model
-    if not m.get("use_engram"):
+    if not resolve(m)["use_engram"]:
         return {}
     width = m["n_embed_per_ngram"] // m["n_head_per_ngram"]
     rows = variant.counts["engram_tables"] // width
@@ -130,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     try:
         _main(args)
-    except SweepError as e:
+    except EngramError as e:
         raise SystemExit(f"engram-sweep: {e}") from None
 
 

@@ -20,7 +20,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from engram_train.config import EngramConfig
+from engram_train.config import EngramConfig, resolve
+from engram_train.errors import EngramError
 from engram_train.models.presets import CONF_DIR
 
 TOTAL_TOLERANCE = 0.01
@@ -31,7 +32,7 @@ CONTROL_FIELDS = {"one_row": "engram_one_row_per_head", "frozen": "engram_freeze
 Counter = Callable[[dict], dict]
 
 
-class SweepError(ValueError):
+class SweepError(EngramError, ValueError):
     """A sweep that cannot be derived or run; the message names the option and the fix."""
 
 
@@ -59,7 +60,7 @@ class Variant:
             "routed_experts": self.model["num_moe_experts"],
             "engram_tables": c["engram_tables"], "engram_dense": c["engram_dense"],
             "engram_vocab_size": list(self.model["engram_vocab_size"])
-            if self.model.get("use_engram") else None,
+            if resolve(self.model)["use_engram"] else None,
         }
 
 
@@ -95,13 +96,14 @@ def apply_overrides(model: dict, dotlist: Sequence[str]) -> dict:
 
 def _engram_fields(base: dict) -> dict:
     """The base's Engram shape (layers, N, heads, width, ...), defaults where it has none."""
-    defaults = {f.name: f.default for f in dataclasses.fields(EngramConfig)
-                if f.default is not dataclasses.MISSING}
-    fields = {k: base.get(k, v) for k, v in defaults.items()}
-    fields["engram_layer_ids"] = list(base.get("engram_layer_ids", [1, 15]))
-    fields["engram_vocab_size"] = list(base.get("engram_vocab_size", [2] * 2))
-    fields["engram_tokenizer_name_or_path"] = base.get(
-        "engram_tokenizer_name_or_path", "${data.tokenizer}")
+    schema = {f.name: f.default_factory() if f.default is dataclasses.MISSING else f.default
+              for f in dataclasses.fields(EngramConfig)}
+    # the table sizes are set per variant; the tokenizer is the run's
+    merged = {**schema, "engram_vocab_size": [2] * 2,
+              "engram_tokenizer_name_or_path": "${data.tokenizer}", **base}
+    fields = {k: merged[k] for k in schema}
+    fields["engram_layer_ids"] = list(fields["engram_layer_ids"])
+    fields["engram_vocab_size"] = list(fields["engram_vocab_size"])
     bad = [i for i in fields["engram_layer_ids"] if i >= base["num_layers"]]
     if bad:
         raise SweepError(

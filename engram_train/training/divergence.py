@@ -30,17 +30,21 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-# Megatron-LM's spiky-loss factor (megatron/training/training.py: "spiky loss" check).
-SPIKE_FACTOR = 10.0
-SPIKE_WINDOW = 100
-COLLAPSE_STEPS = 2
+from engram_train.config import TrainConfig
+from engram_train.errors import ConfigError, EngramError
+
+# The schema's defaults (engram_train/config/run.py); the spike factor is Megatron-LM's
+# (megatron/training/training.py: "spiky loss" check).
+SPIKE_FACTOR = TrainConfig.divergence_spike_factor
+SPIKE_WINDOW = TrainConfig.divergence_window
+COLLAPSE_STEPS = TrainConfig.divergence_collapse_steps
 # |loss - ln(V)| within this fraction of ln(V) counts as "at ln(vocabulary)".
 UNIFORM_LOSS_RTOL = 1e-3
 
 OK, SUSPECT, SPIKE, COLLAPSE, NONFINITE = "ok", "suspect", "spike", "collapse", "non-finite"
 
 
-class DivergenceError(RuntimeError):
+class DivergenceError(EngramError, RuntimeError):
     """The guard stopped the run; the message names the iteration, the good checkpoint and the fix."""
 
 
@@ -120,22 +124,15 @@ class DivergenceGuard:
 def guard_from_config(cfg, vocab_size: int) -> DivergenceGuard | None:
     """The guard ``train.divergence_*`` configure (None when ``train.divergence_guard`` is
     false); `ConfigError` naming a bad key."""
-    from engram_train.training.run_config import ConfigError
-
-    t = cfg.train
-    enabled = t.get("divergence_guard", True)
-    if not isinstance(enabled, bool):
-        raise ConfigError(f"train.divergence_guard={enabled!r} must be true or false")
-    factor = t.get("divergence_spike_factor", SPIKE_FACTOR)
-    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 1:
+    t = cfg.train  # types checked by the schema (engram_train/config/run.py)
+    factor, window, steps = t.divergence_spike_factor, t.divergence_window, t.divergence_collapse_steps
+    if not factor > 1:
         raise ConfigError(f"train.divergence_spike_factor={factor!r} must be a number > 1 (Megatron-LM uses 10)")
-    window = t.get("divergence_window", SPIKE_WINDOW)
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+    if window < 1:
         raise ConfigError(f"train.divergence_window={window!r} must be an int >= 1 (iterations)")
-    steps = t.get("divergence_collapse_steps", COLLAPSE_STEPS)
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+    if steps < 1:
         raise ConfigError(f"train.divergence_collapse_steps={steps!r} must be an int >= 1")
-    if not enabled:
+    if not t.divergence_guard:
         return None
     return DivergenceGuard(int(vocab_size), float(factor), window, steps)
 

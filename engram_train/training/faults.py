@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from engram_train.errors import EngramError
+
 log = logging.getLogger(__name__)
 
 
@@ -106,7 +108,7 @@ class SkipNonFiniteUpdate:
         return opt.step_with_ready_grads(), grad_norm, num_zeros
 
 
-class NonFiniteTrainingError(RuntimeError):
+class NonFiniteTrainingError(EngramError, RuntimeError):
     """Non-finite steps exceeded ``train.nonfinite_skip_budget``; nothing was saved."""
 
 

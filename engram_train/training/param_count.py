@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
 
     quiet_known_warnings()
     from engram_train.runtime import ParallelSizes, destroy_distributed, initialize_distributed
-    from engram_train.training.run_config import ConfigError
+    from engram_train.errors import EngramError
 
     cfg = compose_config(args.overrides)
     if args.world_size is None:
@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> None:
     initialize_distributed(ParallelSizes())
     try:
         counts = run_config_counts(cfg, args.world_size, args.vocab_size)
-    except ConfigError as e:
+    except EngramError as e:
         where = f" for --world-size {args.world_size}" if args.world_size else ""
         raise SystemExit(f"param_count: invalid configuration{where}: {e}") from None
     finally:

@@ -142,7 +142,7 @@ def check(cfg: DictConfig) -> Plan:
     mapping = None
     if model_config.use_engram:
         try:
-            mapping = NgramHashMapping(model_config, num_threads=int(cfg.data.get("hash_threads", 1)))
+            mapping = NgramHashMapping(model_config, num_threads=cfg.data.hash_threads)
         except (ValueError, TokenizerNotFoundError) as e:  # pad id, tokenizer path: the config's
             raise ConfigError(f"model: {e}") from None
     plan = Plan(model_config, tokenizer, vocab_size, mapping,

@@ -13,10 +13,12 @@ import math
 import os
 import re
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
+from engram_train.config import resolve
+from engram_train.errors import ConfigError  # noqa: F401  (re-exported: callers import it here)
 from engram_train.runtime.distributed import ParallelSizes
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -25,31 +27,30 @@ RECOMPUTE = (None, "selective", "full")
 MODEL_ONLY_KEYS = {"first_k_dense_replace"}
 
 
-class ConfigError(ValueError):
-    """A run configuration that cannot work; the message names the key and the fix."""
+def backbone_model(cfg) -> dict[str, Any]:
+    """The model section as its megatron config will see it: megatron's field defaults, the
+    DeepSeek-V3 backbone's, the preset's values, the Engram and mHC fields resolved
+    (`engram_train.config.resolve`). For the checks that run before the config is built."""
+    from megatron.core.transformer import MLATransformerConfig
+    from omegaconf import OmegaConf
 
-
-def _get(section: Mapping[str, Any], key: str, default=None):
-    return section.get(key, default) if section is not None else default
-
-
-def _backbone_default(field: str):
-    """A DeepSeek-V3 backbone field's value when the model config does not set it."""
     from engram_train.models.deepseek_v3 import DEEPSEEK_V3_COMMON
 
-    return DEEPSEEK_V3_COMMON.get(field)
+    defaults = {f.name: f.default for f in dataclasses.fields(MLATransformerConfig)
+                if f.default is not dataclasses.MISSING}
+    return resolve({**defaults, **DEEPSEEK_V3_COMMON, **OmegaConf.to_container(cfg.model, resolve=True)})
 
 
 def parallel_sizes(cfg) -> ParallelSizes:
-    s, m = cfg.system, cfg.model
-    alltoall = _get(m, "use_engram") and _get(m, "engram_embedding_parallel_method", "alltoall") == "alltoall"
+    s, m = cfg.system, resolve(cfg.model)
+    alltoall = m["use_engram"] and m["engram_embedding_parallel_method"] == "alltoall"
     return ParallelSizes(
         tensor=int(s.tensor_model_parallel_size),
         pipeline=int(s.pipeline_model_parallel_size),
         virtual_pipeline=s.virtual_pipeline_model_parallel_size,
         expert=int(s.expert_model_parallel_size),
-        context=int(_get(s, "context_parallel_size", 1)),
-        engram_embedding=int(_get(m, "engram_embedding_parallel_size", 1)) if alltoall else 1,
+        context=int(s.context_parallel_size),
+        engram_embedding=int(m["engram_embedding_parallel_size"]) if alltoall else 1,
     )
 
 
@@ -100,16 +101,15 @@ def validate_run_config(cfg, world_size: int, check_data: bool = True):
     for key in ("log_interval", "eval_interval"):
         if t[key] is not None and t[key] < 1:
             raise ConfigError(f"train.{key}={t[key]} must be >= 1 (or null to disable)")
-    if _get(cfg.data, "reset_attention_mask", False):
+    if cfg.data.reset_attention_mask:
         raise ConfigError(
             "data.reset_attention_mask=true is not supported: the trainer's attention (local and "
             "Transformer Engine) runs causal without a per-document mask, so documents would "
             "still attend to earlier ones. Set data.reset_attention_mask=false; for Engram's "
             "document boundaries set model.engram_reset_at_eos=true (with model.engram_eos_id)"
         )
-    threads = _get(cfg.data, "hash_threads", 1)
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise ConfigError(f"data.hash_threads={threads!r} must be an int >= 1")
+    if cfg.data.hash_threads < 1:
+        raise ConfigError(f"data.hash_threads={cfg.data.hash_threads!r} must be an int >= 1")
     if m.num_layers % p.pipeline:
         raise ConfigError(
             f"model.num_layers={m.num_layers} must be divisible by "
@@ -134,12 +134,13 @@ def validate_run_config(cfg, world_size: int, check_data: bool = True):
         raise ConfigError(
             f"system.recompute_granularity={cfg.system.recompute_granularity!r} must be null, selective or full"
         )
-    if _get(m, "num_moe_experts") and p.tensor > 1 and not sequence_parallel(cfg):
+    backbone = backbone_model(cfg)
+    if backbone["num_moe_experts"] and p.tensor > 1 and not sequence_parallel(cfg):
         raise ConfigError(
             "MoE with tensor_model_parallel_size > 1 needs sequence parallelism: set "
             "system.sequence_parallel: true (or auto)"
         )
-    if (_get(m, "qk_layernorm", _backbone_default("qk_layernorm")) and p.tensor > 1
+    if (backbone["qk_layernorm"] and p.tensor > 1
             and not sequence_parallel(cfg)):
         # megatron-core sums every q_layernorm gradient over the TP group; the MLA latent is
         # replicated across TP without sequence parallelism, so that sum doubles its gradient.
@@ -149,7 +150,7 @@ def validate_run_config(cfg, world_size: int, check_data: bool = True):
             "auto): without it megatron-core sums the replicated q-latent norm's gradient over "
             "the tensor-parallel group; or set model.qk_layernorm=false"
         )
-    if _get(m, "num_moe_experts") and m.num_moe_experts % p.expert:
+    if backbone["num_moe_experts"] and m.num_moe_experts % p.expert:
         raise ConfigError(
             f"model.num_moe_experts={m.num_moe_experts} must be divisible by "
             f"system.expert_model_parallel_size={p.expert}"
@@ -167,15 +168,15 @@ def engram_table_params_per_rank(cfg) -> int:
     """Table parameters of the rank holding the most (its pipeline stage's Engram layers, one
     shard of each): every head's table has about ``engram_vocab_size[order]`` rows (the next
     prime above it) of ``n_embed_per_ngram / n_head_per_ngram``."""
-    m, p = cfg.model, parallel_sizes(cfg)
-    per_layer = sum(int(v) for v in m.engram_vocab_size) * int(m.n_embed_per_ngram)
-    layers_per_stage = m.num_layers // p.pipeline
-    stages = [int(i) // layers_per_stage for i in m.engram_layer_ids]
+    m, p = resolve(cfg.model), parallel_sizes(cfg)
+    per_layer = sum(int(v) for v in m["engram_vocab_size"]) * int(m["n_embed_per_ngram"])
+    layers_per_stage = m["num_layers"] // p.pipeline
+    stages = [int(i) // layers_per_stage for i in m["engram_layer_ids"]]
     layers = max(stages.count(s) for s in set(stages))
-    if _get(m, "engram_embedding_parallel_method", "alltoall") == "allreduce":
+    if m["engram_embedding_parallel_method"] == "allreduce":
         shards = p.tensor
     else:
-        shards = int(_get(m, "engram_embedding_parallel_size", 1))
+        shards = int(m["engram_embedding_parallel_size"])
     return -(-layers * per_layer // shards)
 
 
@@ -247,18 +248,18 @@ def _check_precision(cfg) -> None:
 def _check_reliability(cfg) -> None:
     """The checkpoint/fault keys (README 'checkpoint', docs/reliability.md)."""
     t, c = cfg.train, cfg.checkpoint
-    budget = _get(t, "nonfinite_skip_budget", 0)
-    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+    budget = t.nonfinite_skip_budget
+    if budget < 0:
         raise ConfigError(f"train.nonfinite_skip_budget={budget!r} must be an int >= 0 (0: stop at the first)")
-    limit = _get(t, "exit_duration_in_mins")
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit <= 0):
+    limit = t.exit_duration_in_mins
+    if limit is not None and limit <= 0:
         raise ConfigError(f"train.exit_duration_in_mins={limit!r} must be a number of minutes > 0, or null")
-    if _get(c, "override_opt_param_scheduler") and _get(c, "use_checkpoint_opt_param_scheduler"):
+    if c.override_opt_param_scheduler and c.use_checkpoint_opt_param_scheduler:
         raise ConfigError(
             "checkpoint.override_opt_param_scheduler and checkpoint.use_checkpoint_opt_param_scheduler "
             "are both true: choose this run's LR schedule (override) or the checkpoint's (use_checkpoint)"
         )
-    if c.save_interval is not None and (isinstance(c.save_interval, bool) or c.save_interval < 1):
+    if c.save_interval is not None and c.save_interval < 1:
         raise ConfigError(f"checkpoint.save_interval={c.save_interval} must be >= 1 (or null: only at the end)")
 
 
@@ -333,7 +334,7 @@ def build_transformer_config(cfg):
         fp16=s.precision == "fp16",
         recompute_granularity=s.recompute_granularity,
     )
-    modules = _get(s, "recompute_modules")
+    modules = s.recompute_modules
     if modules is not None:  # megatron's selective modules, plus "mhc" (the mHC mappings)
         fields.update(recompute_modules=list(modules))
     if s.recompute_granularity == "full":

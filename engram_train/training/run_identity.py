@@ -27,6 +27,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from engram_train.errors import EngramError
+
 # Backbone config fields that decide parameter shapes (those a config lacks are recorded as None).
 SHAPE_FIELDS = (
     "num_layers",
@@ -92,7 +94,7 @@ SCHEDULE_KEYS = {
 _IN_SAMPLES = ("lr_warmup_steps", "lr_decay_steps", "wd_incr_steps")
 
 
-class ResumeMismatchError(ValueError):
+class ResumeMismatchError(EngramError, ValueError):
     """A checkpoint does not match this run; the message names each key and the override.
 
     ``overrides``: the settings that accept every listed difference (empty when one of them
@@ -229,7 +231,7 @@ def check_run_identity(saved: Mapping | None, current: Mapping, *, load_engram: 
             overrides.append("checkpoint.load_engram=false")
         for key, old, new in changes:
             what = ENGRAM_DERIVED.get(key, f"model.{key}")
-            if key == "engram_hc_mult":  # follows the backbone's residual streams (mhc_config.py)
+            if key == "engram_hc_mult":  # follows the backbone's residual streams (config/mhc.py)
                 fix = (f"it follows the backbone's residual streams: resume with the checkpoint's "
                        f"model.enable_hyper_connections and model.num_residual_streams={_show(old)}"
                        if old != 1 else "resume with model.enable_hyper_connections=false")

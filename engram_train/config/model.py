@@ -11,14 +11,16 @@ from __future__ import annotations
 import dataclasses
 import numbers
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from engram_train.mhc_config import (
+from engram_train.config.mhc import (
     HyperConnectionConfig,
     check_hyper_connections,
     require_int,
+    residual_streams,
     take_mhc_recompute_module,
 )
 
@@ -56,29 +58,6 @@ CHOICES = {
         ENGRAM_VALUE_INITS,
         "'zero' starts the value projection at zero (the model keeps its function at step 0)"),
 }
-
-_BOOL_FIELDS = (
-    "use_engram",
-    "engram_prefetch",
-    "engram_offload_embedding_optimizer_states",
-    "engram_reset_at_eos",
-    "engram_one_row_per_head",
-    "engram_freeze_tables",
-    "engram_master_weights",
-    "engram_overlap_host_update",
-)
-_INT_FIELDS = (
-    "max_ngram_size",
-    "n_embed_per_ngram",
-    "n_head_per_ngram",
-    "engram_pad_id",
-    "engram_seed",
-    "engram_kernel_size",
-    "engram_embedding_parallel_size",
-)
-_INT_LIST_FIELDS = ("engram_vocab_size", "engram_layer_ids")
-_FLOAT_FIELDS = ("engram_lr_multiplier", "engram_weight_decay", "engram_init_std")
-
 
 @dataclass
 class EngramConfig:
@@ -235,33 +214,31 @@ class EngramConfig:
             raise ValueError(f"hidden_size={hidden_size} must be >= 1 for Engram layers.")
 
     def _check_engram_types(self) -> None:
-        for name in _BOOL_FIELDS:
-            value = getattr(self, name)
-            if not isinstance(value, bool):
+        """Each field against its annotation (the dataclass is the only list of types)."""
+        for f in dataclasses.fields(EngramConfig):
+            name, kind, value = f.name, f.type, getattr(self, f.name)
+            if kind == "bool" and not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool (True/False), got {value!r}.")
-        for name in _INT_FIELDS:
-            require_int(name, getattr(self, name))
-        for name in _INT_LIST_FIELDS:
-            value = getattr(self, name)
-            if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
-                # OmegaConf ListConfig is a Sequence; a bare int is the common mistake.
-                raise TypeError(f"{name} must be a list of ints, got {value!r}.")
-            for item in value:
-                require_int(name, item, element=True)
-            ints = [int(v) for v in value]
-            # Layer ids are kept sorted: table primes are handed out layer by layer in this
-            # order, so [3, 1] and [1, 3] build the same tables (and load the same checkpoints).
-            setattr(self, name, sorted(ints) if name == "engram_layer_ids" else ints)
-        for name in _FLOAT_FIELDS:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Real):
-                raise TypeError(f"{name} must be a number, got {value!r}.")
-            setattr(self, name, float(value))
-        if self.engram_eos_id is not None:
-            require_int("engram_eos_id", self.engram_eos_id)
-        if self.engram_hc_mult is None:
-            self.engram_hc_mult = 1  # a megatron config resolved it from the backbone first
-        require_int("engram_hc_mult", self.engram_hc_mult)
+            if kind == "int" or (kind == "int | None" and value is not None):
+                require_int(name, value)
+            if kind == "float":
+                if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                    raise TypeError(f"{name} must be a number, got {value!r}.")
+                setattr(self, name, float(value))
+            if kind == "list[int]":
+                if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+                    # OmegaConf ListConfig is a Sequence; a bare int is the common mistake.
+                    raise TypeError(f"{name} must be a list of ints, got {value!r}.")
+                for item in value:
+                    require_int(name, item, element=True)
+                ints = [int(v) for v in value]
+                # Layer ids are kept sorted: table primes are handed out layer by layer in this
+                # order, so [3, 1] and [1, 3] build the same tables (and load the same checkpoints).
+                setattr(self, name, sorted(ints) if name == "engram_layer_ids" else ints)
+        if self.engram_hc_mult is None:  # a megatron config resolved it from the backbone first
+            self.engram_hc_mult = residual_streams(
+                getattr(self, "enable_hyper_connections", False),
+                getattr(self, "num_residual_streams", 1))
         path = self.engram_tokenizer_name_or_path
         if path is not None:
             if not isinstance(path, (str, os.PathLike)):
@@ -393,6 +370,25 @@ class EngramConfig:
             )
 
 
+def _default(f: dataclasses.Field) -> Any:
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
+def resolve(model: Mapping[str, Any]) -> dict[str, Any]:
+    """A model section (a preset, a saved run config's ``model``, an export's config) with
+    every Engram and mHC field present: its value, else the schema's default, and
+    ``engram_hc_mult`` derived from the backbone (`residual_streams`) when unset. The one
+    derivation the trainer, export, transformers interop and sweep share; the composed
+    megatron configs apply the same rule in `check_hyper_connections`."""
+    fields = dataclasses.fields(EngramConfig) + dataclasses.fields(HyperConnectionConfig)
+    out = {f.name: _default(f) for f in fields}
+    out.update(model.items())
+    if out["engram_hc_mult"] is None:
+        out["engram_hc_mult"] = residual_streams(out["enable_hyper_connections"],
+                                                 out["num_residual_streams"])
+    return out
+
+
 # -- composition with megatron-core ---------------------------------------------------------
 
 _COMPOSED = {
@@ -436,7 +432,7 @@ def _compose(name: str, megatron_cls: type) -> type:
 
     namespace = {
         "__post_init__": __post_init__,
-        "__module__": __name__,
+        "__module__": "engram_train.config",  # where users (and pickles) find it
         "__qualname__": name,
         "__doc__": f"megatron {megatron_cls.__name__} plus every EngramConfig field.",
     }
@@ -450,6 +446,7 @@ def __getattr__(name: str) -> type:
 
         cls = _compose(name, getattr(transformer_config, _COMPOSED[name]))
         globals()[name] = cls
+        sys.modules["engram_train.config"].__dict__[name] = cls
         return cls
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 

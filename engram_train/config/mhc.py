@@ -1,5 +1,6 @@
 """The mHC backbone's fields (``docs/mhc.md``) and their rules, composed into the megatron
-configs by ``engram_train.config``; also the int check every config module shares."""
+configs by ``engram_train.config``; `residual_streams`, the rule ``engram_hc_mult`` follows;
+also the int check every config module shares."""
 
 from __future__ import annotations
 
@@ -32,6 +33,12 @@ class HyperConnectionConfig:
     mhc_init_gating_factor: float = 0.01
     """Initial `scale` of the mappings (0: the mappings start as constants, and an n-stream
     model without Engram computes the single-stream model's function)."""
+
+
+def residual_streams(enable_hyper_connections: bool, num_residual_streams: int) -> int:
+    """Streams of the backbone's residual: ``num_residual_streams`` with mHC on, else 1. What
+    an unset ``engram_hc_mult`` (None) follows."""
+    return int(num_residual_streams) if enable_hyper_connections else 1
 
 
 MHC_RECOMPUTE_MODULE = "mhc"
@@ -81,7 +88,7 @@ def check_hyper_connections(config, mhc_recompute: bool | None = None) -> None:
         raise TypeError(f"mhc_init_gating_factor must be a number, got {value!r}.")
     config.mhc_init_gating_factor = float(value)
     resolve_mhc_recompute(config, mhc_recompute)
-    streams = config.num_residual_streams if config.enable_hyper_connections else 1
+    streams = residual_streams(config.enable_hyper_connections, config.num_residual_streams)
     hc_mult = config.engram_hc_mult
     if config.enable_hyper_connections:
         if config.num_residual_streams < 2:

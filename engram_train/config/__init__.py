@@ -1,0 +1,78 @@
+"""Every setting's type, default and one-line doc, in one place, at the bottom of the package
+order (nothing here imports another package of the project but `errors`).
+
+- `model`: `EngramConfig` (the Engram fields), its option names (`CHOICES`), `resolve` (a model
+  section with every Engram and mHC field defaulted and ``engram_hc_mult`` derived), and the
+  megatron configs composed with it (`EngramTransformerConfig`, `EngramMLATransformerConfig`,
+  built on first access: importing megatron-core takes seconds);
+- `mhc`: `HyperConnectionConfig` (the mHC backbone fields), `residual_streams`, the rule
+  ``engram_hc_mult`` follows, and the default of the ``mhc`` recompute module;
+- `run`: the run config's typed sections (``experiment``, ``system``, ``train``,
+  ``checkpoint``, ``data``), registered with Hydra's ConfigStore as the base of
+  ``conf/train.yaml`` (README.md "Configuration reference" lists the same keys).
+"""
+
+from __future__ import annotations
+
+from engram_train.config import model as _model
+from engram_train.config.mhc import (
+    HyperConnectionConfig,
+    check_hyper_connections,
+    require_int,
+    residual_streams,
+)
+from engram_train.config.model import (
+    CHOICES,
+    EMBEDDING_PARALLEL_METHODS,
+    ENGRAM_TABLE_DTYPES,
+    ENGRAM_VALUE_INITS,
+    TABLE_OPTIMIZERS,
+    TABLE_PLACEMENTS,
+    EngramConfig,
+    engram_table_dtype,
+    resolve,
+)
+from engram_train.config.run import (
+    SECTIONS,
+    CheckpointConfig,
+    DataConfig,
+    ExperimentConfig,
+    RunConfig,
+    SystemConfig,
+    TrainConfig,
+    register,
+    typed_run_config,
+)
+
+register()
+
+__all__ = [
+    "CHOICES",
+    "EMBEDDING_PARALLEL_METHODS",
+    "ENGRAM_TABLE_DTYPES",
+    "ENGRAM_VALUE_INITS",
+    "SECTIONS",
+    "TABLE_OPTIMIZERS",
+    "TABLE_PLACEMENTS",
+    "CheckpointConfig",
+    "DataConfig",
+    "EngramConfig",
+    "EngramMLATransformerConfig",
+    "EngramTransformerConfig",
+    "ExperimentConfig",
+    "HyperConnectionConfig",
+    "RunConfig",
+    "SystemConfig",
+    "TrainConfig",
+    "check_hyper_connections",
+    "engram_table_dtype",
+    "require_int",
+    "residual_streams",
+    "resolve",
+    "typed_run_config",
+]
+
+
+def __getattr__(name: str):
+    """The megatron-composed configs, built by `model` on first access."""
+    return getattr(_model, name)

@@ -1,0 +1,158 @@
+"""The package order of docs/architecture.md holds: read every import of engram_train (module
+level and function-local, with ast) and refuse an arrow to a package listed later. Also the
+one error root: every exception class the project defines derives from `EngramError`."""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "engram_train"
+
+
+def package_order(doc: str) -> dict[str, int]:
+    """unit (``config/``, ``logs.py``) -> its row in the "Packages, in dependency order" table."""
+    section = doc.split("## Packages, in dependency order", 1)[1].split("\n## ", 1)[0]
+    order: dict[str, int] = {}
+    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    for rank, row in enumerate(rows):
+        for name in re.findall(r"`([\w.]+/?)`", row.split("|")[1]):
+            order[name] = rank
+    return order
+
+
+def unit_of(module: str) -> str | None:
+    """``engram_train.training.loop`` -> ``training/``; ``engram_train.logs`` -> ``logs.py``."""
+    parts = module.split(".")
+    if parts[0] != "engram_train" or len(parts) < 2:
+        return None
+    head = parts[1]
+    return f"{head}/" if (PACKAGE / head).is_dir() else f"{head}.py"
+
+
+def imported_modules(source: str, module: str, is_package: bool) -> list[tuple[int, str]]:
+    """(line, module) for every import in ``source`` (relative ones resolved), at any depth."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = module.split(".")[: len(module.split(".")) - node.level + is_package]
+                base = ".".join(anchor + ([base] if base else []))
+            # `from engram_train import config` names a subpackage: the arrow goes to it
+            found += [(node.lineno, f"{base}.{a.name}" if base == "engram_train" else base)
+                      for a in node.names]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            # a ``module:function`` entry point, imported later by name (a registry)
+            entry = ENTRY_POINT.fullmatch(node.value)
+            if entry:
+                found.append((node.lineno, entry.group(1)))
+    return found
+
+
+ENTRY_POINT = re.compile(r"(engram_train(?:\.\w+)+):\w+")
+
+
+def arrows_against_order(sources: dict[str, str], order: dict[str, int]) -> list[str]:
+    """Imports from a unit to a unit listed after it; ``sources``: module name -> text."""
+    bad = []
+    for module, text in sources.items():
+        is_package = module.endswith(".__init__")
+        name = module.removesuffix(".__init__")
+        here = unit_of(name)
+        if here is None:  # engram_train/__init__.py
+            continue
+        for line, target in imported_modules(text, name, is_package):
+            there = unit_of(target)
+            if there is None or there == here:
+                continue
+            if order[there] > order[here]:
+                bad.append(f"{module}:{line} imports {target} ({here} -> {there}, listed later)")
+    return bad
+
+
+def project_sources() -> dict[str, str]:
+    return {".".join(path.relative_to(REPO).with_suffix("").parts): path.read_text()
+            for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+ORDER = package_order((REPO / "docs" / "architecture.md").read_text())
+
+
+def test_every_package_and_top_level_module_is_in_the_order():
+    units = {unit_of(m.removesuffix(".__init__")) for m in project_sources()} - {None}
+    assert units - set(ORDER) == set(), "add them to docs/architecture.md's package table"
+    assert set(ORDER) - units == set(), "the table lists units that do not exist"
+
+
+# Arrows still to remove by moving code (each names importer -> imported); the list may only
+# shrink: a new arrow against the order fails the test.
+KNOWN_ARROWS = {
+    ("engram_train.checkpoint.partial", "engram_train.training.engram_optimizer"),
+    ("engram_train.export.publish", "engram_train.hf.export"),
+    ("engram_train.runtime.distributed", "engram_train.parallel.groups"),
+}
+
+
+def test_no_import_points_to_a_later_package():
+    found = {(line.split(":")[0], line.split(" imports ")[1].split(" ")[0])
+             for line in arrows_against_order(project_sources(), ORDER)}
+    assert found - KNOWN_ARROWS == set()
+    assert KNOWN_ARROWS - found == set(), "an arrow was removed: drop it from KNOWN_ARROWS"
+
+
+def test_an_arrow_to_a_later_package_fails_the_check():
+    """The check sees function-local, relative and ``from engram_train import`` imports, and
+    ``module:function`` entry points named in strings."""
+    sources = project_sources()
+    sources["engram_train.runtime.synthetic"] = (
+        "def later():\n    from engram_train.training.loop import train\n")
+    sources["engram_train.engram.synthetic"] = "from ..models import builder\n"
+    sources["engram_train.config.synthetic"] = "from engram_train import checkpoint\n"
+    sources["engram_train.data.synthetic"] = 'WRITER = "engram_train.training.loop:train"\n'
+    assert [a for a in arrows_against_order(sources, ORDER) if "synthetic" in a] == [
+        "engram_train.runtime.synthetic:2 imports engram_train.training.loop "
+        "(runtime/ -> training/, listed later)",
+        "engram_train.engram.synthetic:1 imports engram_train.models "
+        "(engram/ -> models/, listed later)",
+        "engram_train.config.synthetic:1 imports engram_train.checkpoint "
+        "(config/ -> checkpoint/, listed later)",
+        "engram_train.data.synthetic:1 imports engram_train.training.loop "
+        "(data/ -> training/, listed later)",
+    ]
+
+
+def _exception_classes() -> dict[str, list[str]]:
+    """Every class defined in engram_train that derives from an exception: name -> bases, as
+    written. (Read with ast: no module is imported.)"""
+    classes: dict[str, list[str]] = {}
+    for module, text in project_sources().items():
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef):
+                bases = [ast.unparse(b).rsplit(".", 1)[-1] for b in node.bases]
+                classes[f"{module}.{node.name}"] = bases
+    by_name = {qual.rsplit(".", 1)[-1]: bases for qual, bases in classes.items()}
+
+    def is_exception(name: str, seen=()) -> bool:
+        builtin = getattr(builtins, name, None)
+        if isinstance(builtin, type) and issubclass(builtin, BaseException):
+            return True
+        return name not in seen and any(is_exception(b, (*seen, name)) for b in by_name.get(name, []))
+
+    return {q: b for q, b in classes.items() if any(is_exception(x) for x in b)}
+
+
+def test_every_project_exception_derives_from_the_root():
+    from engram_train.errors import EngramError
+
+    classes = _exception_classes()
+    assert len(classes) >= 20, sorted(classes)  # the scan finds them
+    for qual in classes:
+        module, name = qual.rsplit(".", 1)
+        cls = getattr(__import__(module.removesuffix(".__init__"), fromlist=[name]), name)
+        assert issubclass(cls, EngramError), f"{qual} does not derive from EngramError"
