@@ -20,6 +20,7 @@ Configuration: conf/train.yaml (+ conf/model/*.yaml), every key documented in RE
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import os
@@ -127,24 +128,29 @@ def _main(cfg: DictConfig) -> None:
         _exit_with_message(f"engram-train: {what}{e}")
 
 
-_STDERR = sys.stderr
+_quiet: contextlib.redirect_stderr | None = None
+"""A non-first rank's stderr, redirected while its config is composed (`main`)."""
 
 
 def _speak() -> None:
-    sys.stderr = _STDERR
+    global _quiet
+    if _quiet is not None:
+        _quiet.__exit__(None, None, None)
+        _quiet = None
 
 
 def main() -> None:
     """The console script. Hydra prints a composition error (a wrong type such as
     ``train.lr=abc``, an unknown key) itself, on every rank that composes: a node's first rank
     says it; the other ranks keep quiet until their config is composed (`_speak`)."""
-    quiet = os.environ.get("LOCAL_RANK", "0") != "0"
-    if quiet:
-        sys.stderr = io.StringIO()
+    global _quiet
+    if os.environ.get("LOCAL_RANK", "0") != "0":
+        _quiet = contextlib.redirect_stderr(io.StringIO())
+        _quiet.__enter__()
     try:
         _main()
     except SystemExit:
-        if quiet and sys.stderr is not _STDERR:  # failed while composing: rank 0 reports it
+        if _quiet is not None:  # failed while composing: rank 0 reports it
             _speak()
             time.sleep(2.0)
         raise

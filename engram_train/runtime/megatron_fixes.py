@@ -146,6 +146,30 @@ def keep_torch_adam_step_on_load(ctx) -> None:
     )
 
 
+def mixed_dtype_group_order(ctx) -> None:
+    """``DistributedOptimizer`` numbers each model parameter's place in its optimizer group
+    (``model_param_group_index_map``) in grad-buffer order, but fills the group's ``params`` with
+    all float32 parameters' shards first, then the float16/bf16 ones' main shards. A group that
+    holds both (float32 mHC mappings in a bf16 model) maps parameters to other parameters' main
+    shards and Adam state: the checkpoint save fails on a size mismatch, or, where the sizes
+    happen to agree, saves and loads the wrong tensors. The map is rebuilt in the groups' own
+    order after construction (megatron-core 0.16.1-0.19.2 ``__init__``; the step is unaffected).
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = DistributedOptimizer.__init__
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        groups = zip(self.model_fp32_groups, self.model_float16_groups, strict=True)
+        for group_index, (fp32_params, float16_params) in enumerate(groups):
+            for order, param in enumerate([*fp32_params, *float16_params]):
+                self.model_param_group_index_map[param] = (group_index, order)
+
+    ctx.set(DistributedOptimizer, "__init__", __init__)
+
+
 def blended_dataset_rank_zero_alone(ctx) -> None:
     """``BlendedDataset._build_indices`` calls ``torch.distributed.get_rank()`` on a cache miss
     even when no process group exists (``GPTDataset`` checks ``is_initialized()`` first), so a

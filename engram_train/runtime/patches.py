@@ -195,6 +195,19 @@ PATCHES: tuple[Patch, ...] = (
         condition="torch Adam (no TE/Apex fused Adam)",
     ),
     Patch(
+        name="distopt_mixed_dtype_group_order",
+        versions=">=0.16.1,<0.20",
+        upstream="optimizer/distrib_optimizer.py: DistributedOptimizer.__init__ numbers a "
+        "parameter's place in its optimizer group in grad-buffer order, but the group lists the "
+        "float32 parameters' shards first; with float32 and bf16 parameters in one group "
+        "(float32 mHC mappings under bf16) the checkpoint's parameter state maps to the wrong "
+        "shards.",
+        verify="ENGRAM_DISABLE_PATCHES=distopt_mixed_dtype_group_order: "
+        "tests/test_mhc_layouts.py fails in get_parameter_state_dp_zero with 'The size of "
+        "tensor a (128) must match the size of tensor b (288)'",
+        apply=megatron_fixes.mixed_dtype_group_order,
+    ),
+    Patch(
         name="blended_dataset_without_process_group",
         versions=">=0.16.1,<0.18",
         upstream="datasets/blended_dataset.py: BlendedDataset._build_indices calls "
