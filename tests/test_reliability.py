@@ -363,4 +363,4 @@ def test_failed_plot_is_a_warning(tmp_path, caplog):
     job = types.SimpleNamespace(is_logger=True, exp_dir=tmp_path)  # no metrics.jsonl to plot
     with caplog.at_level(logging.WARNING, logger="engram_train"):
         finish(job)
-    assert "loss plot skipped: FileNotFoundError" in caplog.text
+    assert "loss plot skipped: MetricsNotFoundError: no metrics.jsonl at" in caplog.text

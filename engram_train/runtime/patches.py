@@ -265,6 +265,7 @@ MEGATRON_FIXES = (
     "distopt_torch_adam_step_on_load",
     "distopt_load_into_fresh_torch_adam",
     "distopt_shared_torch_adam_step",
+    "distopt_mixed_dtype_group_order",  # float32 mHC mappings beside bf16 parameters
     "chained_optimizer_by_role",  # checkpoints that load when the chain changes shape with EP
     "mhc_pipeline_shapes",  # a missing feature rather than a bug: mHC stages exchange n streams
     "embedded_common_state",  # a newer release's checkpoint format, read by an older one

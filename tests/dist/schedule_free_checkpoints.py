@@ -12,6 +12,8 @@ import torch
 from common import parse_args, write_result
 from hydra import compose, initialize_config_dir
 
+import engram_train.config  # noqa: F401  (registers the run schema conf/train.yaml builds on)
+
 REPO = Path(__file__).resolve().parents[2]
 
 
