@@ -162,6 +162,8 @@ def mixed_dtype_group_order(ctx) -> None:
     @functools.wraps(original)
     def __init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
+        if not hasattr(self, "model_fp32_groups"):  # megatron FSDP: no grad-buffer groups
+            return
         groups = zip(self.model_fp32_groups, self.model_float16_groups, strict=True)
         for group_index, (fp32_params, float16_params) in enumerate(groups):
             for order, param in enumerate([*fp32_params, *float16_params]):
