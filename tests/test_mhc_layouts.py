@@ -84,6 +84,9 @@ def test_bf16_mappings_are_float32(results):
         assert r["bf16_stored_mapping_dtypes"] == ["torch.float32"]
         assert r["bf16_stored_mapping_count"] >= 4 * 2 * 3 + 3
         assert r["old_bf16_mappings_load"]
+        # megatron numbers group members in grad-buffer order: float32 mappings beside bf16
+        # parameters in one group mapped to other parameters' shards before the fix
+        assert r["bf16_optimizer_state_maps_to_own_shard"]
 
 
 def test_losses_move(results):

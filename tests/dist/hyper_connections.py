@@ -211,6 +211,24 @@ def megatron_fp32_params(optimizer) -> set[int]:
     return ids
 
 
+def main_params_are_own_shards(optimizer) -> bool:
+    """Whether the distributed optimizer's checkpoint view (``_get_main_param_and_optimizer_states``,
+    which its save and load use) gives every model parameter its own main shard: after a step
+    the bf16 parameter is its float32 main shard rounded, a float32 one is the shard itself."""
+    checked = 0
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for buffers in getattr(part, "gbuf_ranges", []):
+            for ranges in buffers.values():
+                for bucket in ranges:
+                    for param, where in bucket["param_map"].items():
+                        main = part._get_main_param_and_optimizer_states(param)["param"]
+                        own = param.detach().view(-1)[where["param"].start:where["param"].end]
+                        if main.shape != own.shape or not torch.equal(main.to(param.dtype), own):
+                            return False
+                        checked += 1
+    return checked > 0
+
+
 def stored_dtypes(directory: Path) -> dict:
     """dtype of every tensor in a megatron distributed checkpoint (its torch DCP metadata)."""
     from torch.distributed.checkpoint import FileSystemReader
@@ -236,6 +254,7 @@ def check_float32_mappings(result, model, optimizer, root: Path):
         id(p) in fp32 for n, p in params.items() if is_mapping(n))
     result["bf16_others_fp32_in_optimizer"] = any(
         id(p) in fp32 for n, p in params.items() if not is_mapping(n))
+    result["bf16_optimizer_state_maps_to_own_shard"] = main_params_are_own_shards(optimizer)
     save_checkpoint(root / "bf16", STEPS, model, optimizer)
     dtypes = stored_dtypes(root / "bf16")
     result["bf16_stored_mapping_dtypes"] = sorted({d for k, d in dtypes.items()
