@@ -199,16 +199,31 @@ def tp_replicated_differences(model) -> dict:
     return {"checked": checked, "different": different}
 
 
-def megatron_fp32_params(optimizer) -> set[int]:
-    """ids of the model parameters megatron's optimizers step as float32 parameters (their own
-    main parameters: ``fp32_from_fp32_groups`` / the distributed optimizer's
-    ``model_fp32_groups``)."""
-    ids = set()
+def megatron_params_by_kind(optimizer) -> tuple[set[int], set[int]]:
+    """ids of the model parameters megatron's optimizers step on this rank: as float32
+    parameters (their own main parameters: ``fp32_from_fp32_groups`` / the distributed
+    optimizer's ``model_fp32_groups``), and as float16/bf16 ones with a float32 master."""
+    fp32, float16 = set(), set()
     for part in getattr(optimizer, "chained_optimizers", [optimizer]):
-        for attr in ("fp32_from_fp32_groups", "model_fp32_groups"):
-            for group in getattr(part, attr, []):
-                ids.update(id(p) for p in group)
-    return ids
+        for kind, attrs in ((fp32, ("fp32_from_fp32_groups", "model_fp32_groups")),
+                            (float16, ("float16_groups", "model_float16_groups"))):
+            for attr in attrs:
+                for group in getattr(part, attr, []):
+                    kind.update(id(p) for p in group)
+    return fp32, float16
+
+
+def mappings_fp32_in_optimizer(params: dict, optimizer) -> bool:
+    """Every mapping parameter is stepped as a float32 parameter: none with a bf16 master on
+    this rank, and each one held as float32 by some data-parallel rank (the distributed
+    optimizer gives each rank its shard of the parameters)."""
+    fp32, float16 = megatron_params_by_kind(optimizer)
+    names = sorted(n for n in params if is_mapping(n))
+    if any(id(params[n]) in float16 for n in names):
+        return False
+    held = torch.tensor([float(id(params[n]) in fp32) for n in names])
+    dist.all_reduce(held, op=dist.ReduceOp.MAX, group=parallel_state.get_data_parallel_group())
+    return bool(names) and bool(held.all())
 
 
 def main_params_are_own_shards(optimizer) -> bool:
@@ -243,15 +258,14 @@ def check_float32_mappings(result, model, optimizer, root: Path):
     in the distributed optimizer, the checkpoint); a checkpoint with bf16 mappings (as written
     before they were float32) still loads."""
     params = dict(model[0].named_parameters())
-    fp32 = megatron_fp32_params(optimizer)
+    fp32, _ = megatron_params_by_kind(optimizer)
     result["bf16_mapping_dtypes"] = sorted({str(p.dtype) for n, p in params.items()
                                             if is_mapping(n)})
     result["bf16_other_dtypes"] = sorted({str(p.dtype) for n, p in params.items()
                                           if not is_mapping(n) and "engram" not in n})
     result["bf16_mapping_grad_dtypes"] = sorted({str(p.main_grad.dtype)
                                                  for n, p in params.items() if is_mapping(n)})
-    result["bf16_mappings_fp32_in_optimizer"] = all(
-        id(p) in fp32 for n, p in params.items() if is_mapping(n))
+    result["bf16_mappings_fp32_in_optimizer"] = mappings_fp32_in_optimizer(params, optimizer)
     result["bf16_others_fp32_in_optimizer"] = any(
         id(p) in fp32 for n, p in params.items() if not is_mapping(n))
     result["bf16_optimizer_state_maps_to_own_shard"] = main_params_are_own_shards(optimizer)
