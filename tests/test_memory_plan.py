@@ -217,7 +217,7 @@ def test_predicted_peak_rss_within_20_percent(calibration, case, one_rank):
         stage = plan.ranks[rank["pipeline_rank"]]
         predicted = stage.peak("device") + stage.peak("host")
         ratio = predicted / rank["peak_rss"]
-        print(f"{case.name} rank {rank.get('rank', '?')} stage {stage.stage}: predicted "
+        print(f"{case.name} stage {stage.stage}: predicted "
               f"{predicted / 2**20:.0f} MiB, measured {rank['peak_rss'] / 2**20:.0f} MiB, "
               f"ratio {ratio:.2f}")  # the figures of docs/memory.md (pytest -rP)
         assert abs(ratio - 1) <= TOLERANCE, (
