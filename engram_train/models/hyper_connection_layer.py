@@ -45,6 +45,12 @@ def keep_float32(module: torch.nn.Module) -> None:
         setattr(param, "keep_fp32", True)
 
 
+def recomputes_mappings(config) -> bool:
+    """Whether the mappings are recomputed in the backward: ``mhc`` in ``recompute_modules``
+    (put there by default with mHC, ``config/mhc.py``)."""
+    return "mhc" in (config.recompute_modules or [])
+
+
 def parameter_device(config):
     """Where megatron puts a module's parameters: the default device with
     ``use_cpu_initialization`` (the CPU, or the meta device of a parameter count), else CUDA."""
@@ -79,7 +85,7 @@ class HyperConnectionTransformerLayer(TransformerLayer):
         if not config.enable_hyper_connections:
             raise ValueError("HyperConnectionTransformerLayer needs enable_hyper_connections=true")
         self.num_streams = config.num_residual_streams
-        self.recompute_mhc = "mhc" in (config.recompute_modules or [])
+        self.recompute_mhc = recomputes_mappings(config)
         self.attn_hc = build_hyper_connection(config)
         self.ffn_hc = build_hyper_connection(config)
 
