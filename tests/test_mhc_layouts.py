@@ -50,14 +50,7 @@ def test_layout_trains_like_one_rank(results, layout):
             continue
         assert losses == pytest.approx(reference, rel=rel), layout
     first_norm = results[0]["dp4"]["grad_norms"][0]  # later ones move with routing near-ties
-    # Known gap, not float order: under TP2 + sequence parallelism the first gradient norm is
-    # 2.0e-5 above DP4's (0.9227882 vs 0.9227695, both TP layouts alike) while the losses agree
-    # to 1e-5. The Engram branch's dense gradients differ most (squared norms of key and value
-    # projection biases and the short conv by 1e-4 to 1.6e-3), the output layer's by 4e-5; it
-    # stays without the MoE aux loss, and without mHC (2.9e-5 on the single-stream model), so
-    # it is Engram's or MoE's under sequence parallelism, not mHC's. Held at 3e-5 so that any
-    # further drift fails, until the cause is found and closed.
-    norm_rel = 3e-5 if layout in TP_LAYOUTS else rel
+    norm_rel = rel
     for r in results:
         assert r[layout]["grad_norms"][0] == pytest.approx(first_norm, rel=norm_rel)
 

@@ -20,7 +20,6 @@ import math
 import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
-from torch.utils.checkpoint import checkpoint
 
 HC_EPS = 1e-6
 """``eps_hc``: added to H_pre, C and the Sinkhorn denominators (DeepSeek-V4)."""
@@ -36,8 +35,96 @@ a plain residual per stream, yet far enough from saturation for the mixing to le
 
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     """``x * rsqrt(mean(x**2) + eps)`` over the last dim, no weight (the mappings' input
-    normalization), torch's fused kernel."""
+    normalization, as DeepSeek-V4 writes it; ``normalized_projection`` computes the mappings'
+    logits from it without forming it)."""
     return nn.functional.rms_norm(x, (x.shape[-1],), eps=eps)
+
+
+TOKEN_CHUNK_ELEMENTS = {"cpu": 2**19, "cuda": 2**25}
+"""Stream elements (tokens x n x h) per chunk of the hand-written passes over the streams (the
+mappings' projection, the recomputed write-back), by device. Every op of a chunk then reads
+what the previous one wrote from cache rather than from memory, and the projection's float32
+copy of the streams (and its gradient) exists for one chunk at a time, never for the whole
+sequence. On the CPU this halves the write-back's backward; on CUDA a chunk only bounds the
+float32 copies (few launches)."""
+
+
+def _token_chunks(x: torch.Tensor) -> list[slice]:
+    """Slices of the leading (token) dim of ``x``, about ``TOKEN_CHUNK_ELEMENTS`` elements
+    each (everything chunked is per token: chunks are independent)."""
+    budget = TOKEN_CHUNK_ELEMENTS["cuda" if x.is_cuda else "cpu"]
+    rows = max(1, budget // max(1, x[0].numel()))
+    return [slice(i, min(i + rows, x.shape[0])) for i in range(0, x.shape[0], rows)]
+
+
+def _inverse_rms(xf: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch.rsqrt(xf.square().mean(-1, keepdim=True).add_(eps))
+
+
+@torch.no_grad()
+def projection_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``linear(unweighted_rms_norm(x.float(), eps), weight.float())`` computed as
+    ``rsqrt(mean(x**2) + eps) * (x @ weight.T)`` chunk by chunk: float32 ``[..., m]``; the
+    normalized float32 streams are never formed. No graph (``normalized_projection`` is the
+    differentiable form)."""
+    weight = weight.float()
+    out = x.new_empty(*x.shape[:-1], weight.shape[0], dtype=torch.float32)
+    for chunk in _token_chunks(x):
+        xf = x[chunk].float()
+        torch.mul(nn.functional.linear(xf, weight), _inverse_rms(xf, eps), out=out[chunk])
+    return out
+
+
+@torch.no_grad()
+def projection_backward(x: torch.Tensor, weight: torch.Tensor, projected: torch.Tensor,
+                        grad: torch.Tensor, eps: float, add=None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of ``projection_forward`` (X in its dtype, the weight in float32) from its
+    output ``projected`` and that output's gradient, chunk by chunk, by hand: with
+    ``r = rsqrt(mean(x**2) + eps)``, ``dX = r (g @ W) - (r^2 / width) (g . projected) x`` and
+    ``dW = (r g)^T x``: two passes over the streams where autograd through ``rms_norm`` makes
+    about eight. ``add(chunk, grad_x)``, when given, adds more of X's gradient into the chunk's
+    float32 gradient before its one rounding to X's dtype."""
+    weight = weight.float()
+    grad_x = torch.empty_like(x)
+    grad_w = torch.zeros_like(weight)
+    for chunk in _token_chunks(x):
+        xf, g = x[chunk].float(), grad[chunk]
+        r = _inverse_rms(xf, eps)
+        coef = (g * projected[chunk]).sum(-1, keepdim=True).mul_(r.square()).div_(-x.shape[-1])
+        g = g * r
+        chunk_grad = torch.matmul(g, weight).addcmul_(xf, coef)
+        if add is not None:
+            add(chunk, chunk_grad)
+        grad_x[chunk] = chunk_grad
+        grad_w.addmm_(g.reshape(-1, g.shape[-1]).t(), xf.reshape(-1, xf.shape[-1]))
+    return grad_x, grad_w
+
+
+class _NormalizedProjection(torch.autograd.Function):
+    """``projection_forward`` keeping X in its own dtype (the storage the write-back keeps
+    anyway) and the ``m`` float32 outputs per token for the backward, nothing of size n*h in
+    float32."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        out = projection_forward(x, weight, eps)
+        ctx.save_for_backward(x, weight, out)
+        ctx.eps = eps
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        x, weight, out = ctx.saved_tensors
+        grad_x, grad_w = projection_backward(x, weight, out, grad, ctx.eps)
+        return grad_x, grad_w.to(weight.dtype), None
+
+
+def normalized_projection(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``linear(unweighted_rms_norm(x.float(), eps), weight.float())``, float32, differentiable
+    in X and the weight (``_NormalizedProjection``)."""
+    return _NormalizedProjection.apply(x, weight, float(eps))
 
 
 def _sinkhorn_steps(iterations: int) -> list[int]:
@@ -96,8 +183,15 @@ def sinkhorn(logits: torch.Tensor, iterations: int, eps: float = HC_EPS) -> torc
 
 
 def weighted_stream_sum(weights: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``sum_j weights[..., j] * X[:, :, j]``: ``[s, b, n]``, ``[s, b, n, h]`` -> ``[s, b, h]``."""
-    return (weights.unsqueeze(-1) * x).sum(dim=2)
+    """``sum_j weights[..., j] * X[:, :, j]``: ``[s, b, n]``, ``[s, b, n, h]`` -> ``[s, b, h]``,
+    as a batched ``[1, n] @ [n, h]`` (accumulated in float32 and rounded once in bf16)."""
+    return torch.matmul(weights.unsqueeze(-2), x).squeeze(-2)
+
+
+def stream_dots(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``X[:, :, j] . g`` per stream: ``[s, b, n, h]``, ``[s, b, h]`` -> ``[s, b, n]`` (the
+    gradient of a stream weight from the gradient of the weighted sum)."""
+    return (x * g.unsqueeze(2)).sum(-1)
 
 
 def _check_streams(x: torch.Tensor, num_streams: int, hidden_size: int, who: str) -> None:
@@ -128,63 +222,71 @@ def mix_streams(x: torch.Tensor, y: torch.Tensor, h_post: torch.Tensor, c: torch
     """``X'[k] = H_post[k] y + sum_j C[j, k] X[j]`` in X's dtype, written as
     ``X + H_post y + (C - I)^T X``: ``C - I`` is small near the identity, so its bf16 rounding
     keeps C's row and column sums (the ~0.999 diagonal of C itself rounds to 1.0 in bf16, and
-    the residual would grow by ~0.1% per sublayer)."""
-    n, h = x.shape[2], x.shape[3]
+    the residual would grow by ~0.1% per sublayer). Without autograd, chunk by chunk."""
     h_post, d = mixing_weights(h_post, c, x.dtype)
     y = y.to(x.dtype)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, y, h_post, d)):
+        return _mix(x, y, h_post, d)
+    out = torch.empty_like(x)
+    for chunk in _token_chunks(x):
+        _mix(x[chunk], y[chunk], h_post[chunk], d[chunk], out[chunk])
+    return out
+
+
+def _mix(x, y, h_post, d, out=None):
+    """The write-back into ``out``, or (None, under autograd) into a new tensor."""
+    n, h = x.shape[2], x.shape[3]
     if x.is_cuda or h >= BATCHED_MIX_MIN_HIDDEN:  # one batched [n, n] @ [n, h] per token
-        # accumulated in place into the product: one stream-sized allocation, the output
-        out = torch.matmul(d.transpose(-1, -2), x)
+        # accumulated in place into the product: the output is the only stream-sized tensor
+        out = torch.matmul(d.transpose(-1, -2), x, out=out)
         return out.add_(x).addcmul_(h_post.unsqueeze(-1), y.unsqueeze(-2))
-    out = torch.addcmul(x, h_post.unsqueeze(-1), y.unsqueeze(-2))
+    out = torch.addcmul(x, h_post.unsqueeze(-1), y.unsqueeze(-2), out=out)
     for j in range(n):  # n broadcast multiply-adds: faster than the GEMMs for small h on CPU
         out.addcmul_(d[..., j, :].unsqueeze(-1), x[:, :, j : j + 1])
     return out
 
 
-RECOMPUTE_CHUNK_ELEMENTS = {"cpu": 2**20, "cuda": 2**25}
-"""Stream elements (``s x b x n x h``) per chunk of the recomputed mapping, by device: its
-float32 copies of the streams (``x.float()``, the normalized input, their gradients) exist for
-one chunk at a time, not the whole sequence (on the CPU they would otherwise be the largest
-transient of a sublayer's backward; on CUDA the chunk only bounds them, few kernel launches)."""
-
-
-def _token_chunks(x: torch.Tensor) -> list[slice]:
-    """Slices of the sequence dim of ``X [s, b, n, h]``, about ``RECOMPUTE_CHUNK_ELEMENTS``
-    elements each (the mapping is per token: chunks are independent)."""
-    budget = RECOMPUTE_CHUNK_ELEMENTS["cuda" if x.is_cuda else "cpu"]
-    rows = max(1, budget // max(1, x[0].numel()))
-    return [slice(i, min(i + rows, x.shape[0])) for i in range(0, x.shape[0], rows)]
-
-
-def _mapping_values(hc: "HyperConnection", x: torch.Tensor, params) -> tuple:
-    """``(H_pre, H_post, C)`` from X without a graph, chunk by chunk."""
-    with torch.no_grad():
-        parts = [hc.mapping(x[chunk], *params) for chunk in _token_chunks(x)]
-    return tuple(torch.cat(values) for values in zip(*parts))
+def _mix_backward(x, y, h_post, d, grad):
+    """The write-back's gradients by hand, chunk by chunk (each chunk of ``grad`` read from
+    cache by its four products): X's, y's, and the float32 gradients of ``H_post`` and of C
+    (that of ``C - I``)."""
+    s, b, n, _ = x.shape
+    grad_x, grad_y = torch.empty_like(x), torch.empty_like(y)
+    grad_h_post = x.new_empty((s, b, n), dtype=torch.float32)
+    grad_c = x.new_empty((s, b, n, n), dtype=torch.float32)
+    for chunk in _token_chunks(x):
+        g = grad[chunk]
+        # dX[j] = g[j] + sum_k (C - I)[j, k] g[k]
+        torch.matmul(d[chunk], g, out=grad_x[chunk]).add_(g)
+        grad_y[chunk] = weighted_stream_sum(h_post[chunk], g)
+        grad_h_post[chunk] = stream_dots(g, y[chunk])
+        grad_c[chunk] = torch.matmul(x[chunk], g.transpose(-1, -2))
+    return grad_x, grad_y, grad_h_post, grad_c
 
 
 class _MappingState:
     """What the two halves of a recomputed sublayer hand each other: the forward's ``H_post``
-    and ``C`` (collapse -> write-back, dropped once used) and, in the backward, the gradients
-    of ``H_post`` and ``C`` (write-back -> collapse)."""
+    and ``C`` (collapse -> write-back, dropped once used) and, in the backward, the recomputed
+    projection and the gradients of ``H_post`` and ``C`` (write-back -> collapse)."""
 
-    __slots__ = ("h_post", "c", "grads")
+    __slots__ = ("h_post", "c", "projected", "grads")
 
     def __init__(self) -> None:
-        self.h_post = self.c = self.grads = None
+        self.h_post = self.c = self.projected = self.grads = None
 
 
 class _CollapseRecomputed(torch.autograd.Function):
-    """``u = sum_j H_pre[j] X[j]`` saving only X (and the parameters): the backward recomputes
-    the mapping (norm, logits, gates, Sinkhorn) chunk by chunk with its graph and
-    back-propagates the gradients of all three mappings (``H_post`` and ``C``'s handed over by
-    ``_WriteBackRecomputed``) to X and the parameters."""
+    """``u = sum_j H_pre[j] X[j]`` saving only X (and the parameters). The backward recomputes
+    the small part of the mapping (gates, Sinkhorn) with its graph from the projection the
+    write-back's backward recomputed, back-propagates the gradients of all three mappings
+    (``H_post`` and ``C``'s handed over by ``_WriteBackRecomputed``) to it, and through the
+    projection to X and ``fn`` by hand (``projection_backward``)."""
 
     @staticmethod
     def forward(ctx, x, fn, base, scale, hc, state):
-        h_pre, state.h_post, state.c = _mapping_values(hc, x, (fn, base, scale))
         with torch.no_grad():
+            projected = projection_forward(hc.flat(x), fn, hc.norm_eps)
+            h_pre, state.h_post, state.c = hc.gates(projected, base, scale)
             u = weighted_stream_sum(h_pre.to(x.dtype), x)
         ctx.save_for_backward(x, fn, base, scale)
         ctx.hc, ctx.state = hc, state
@@ -193,33 +295,38 @@ class _CollapseRecomputed(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_u):
-        x, *params = ctx.saved_tensors
-        handed, ctx.state.grads = ctx.state.grads, None
+        x, fn, base, scale = ctx.saved_tensors
+        hc, state = ctx.hc, ctx.state
+        projected, handed = state.projected, state.grads
+        state.projected = state.grads = None
+        flat = hc.flat(x)
+        if projected is None:  # the write-back's output took no part in the loss
+            projected = projection_forward(flat, fn, hc.norm_eps)
         grad_u = grad_u.to(x.dtype)
-        leaves = [p.detach().requires_grad_() for p in params]
-        grad_x = torch.empty_like(x)
-        grad_params: list[torch.Tensor | None] = [None] * len(params)
-        for chunk in _token_chunks(x):
-            x_chunk, g_u = x[chunk].detach().requires_grad_(), grad_u[chunk].unsqueeze(2)
-            with torch.enable_grad():
-                h_pre, h_post, c = ctx.hc.mapping(x_chunk, *leaves)
-            outputs, grads = [h_pre], [(g_u * x_chunk.detach()).sum(-1).float()]
-            if handed is not None:
-                outputs += [h_post, c]
-                grads += [g[chunk] for g in handed]
-            mapped = torch.autograd.grad(outputs, [x_chunk, *leaves], grads, allow_unused=True)
-            grad_x[chunk] = h_pre.detach().to(x.dtype).unsqueeze(-1) * g_u + mapped[0].to(x.dtype)
-            for i, g in enumerate(mapped[1:]):
-                if g is not None:
-                    grad_params[i] = g if grad_params[i] is None else grad_params[i] + g
-        return (grad_x, *grad_params, None, None)
+        leaves = [t.detach().requires_grad_() for t in (projected, base, scale)]
+        with torch.enable_grad():
+            h_pre, h_post, c = hc.gates(*leaves)
+        outputs, grads = [h_pre], [stream_dots(x, grad_u).float()]
+        if handed is not None:
+            outputs += [h_post, c]
+            grads += handed
+        grad_projected, grad_base, grad_scale = torch.autograd.grad(outputs, leaves, grads)
+        weights = h_pre.detach().to(x.dtype).unsqueeze(-1)
+        s, b, n, h = x.shape
+
+        def add_collapse(chunk, grad_flat):  # u's part: dX[j] += H_pre[j] du
+            grad_flat.view(-1, b, n, h).addcmul_(weights[chunk], grad_u[chunk].unsqueeze(-2))
+
+        grad_flat, grad_fn = projection_backward(flat, fn, projected, grad_projected,
+                                                 hc.norm_eps, add=add_collapse)
+        return grad_flat.view_as(x), grad_fn.to(fn.dtype), grad_base, grad_scale, None, None
 
 
 class _WriteBackRecomputed(torch.autograd.Function):
     """``mix_streams`` saving only X and y: the backward recomputes ``H_post`` and ``C`` without
     a graph, writes the mix's gradients by hand (the ones autograd forms for ``mix_streams``)
-    and hands those of ``H_post`` and ``C`` to ``_CollapseRecomputed``'s backward, which runs
-    after the sublayer's and recomputes the mapping with its graph."""
+    and hands the projection and the gradients of ``H_post`` and ``C`` to
+    ``_CollapseRecomputed``'s backward, which runs after the sublayer's."""
 
     @staticmethod
     def forward(ctx, x, y, hc, state):
@@ -235,14 +342,12 @@ class _WriteBackRecomputed(torch.autograd.Function):
     def backward(ctx, grad):
         x, y = ctx.saved_tensors
         hc, state = ctx.hc, ctx.state
-        _, h_post, c = _mapping_values(hc, x, (hc.fn, hc.base, hc.scale))
-        dtype = x.dtype
-        grad = grad.to(dtype)
-        hp, d = mixing_weights(h_post, c, dtype)
-        grad_x = torch.matmul(d, grad).add_(grad)  # dX[j] = g[j] + sum_k (C - I)[j, k] g[k]
-        grad_y = (hp.unsqueeze(-1) * grad).sum(2)
-        state.grads = [(grad * y.to(dtype).unsqueeze(2)).sum(-1).float(),
-                       torch.matmul(x, grad.transpose(-1, -2)).float()]
+        state.projected = projection_forward(hc.flat(x), hc.fn, hc.norm_eps)
+        _, h_post, c = hc.gates(state.projected, hc.base, hc.scale)
+        h_post, d = mixing_weights(h_post, c, x.dtype)
+        grad_x, grad_y, grad_h_post, grad_c = _mix_backward(x, y.to(x.dtype), h_post, d,
+                                                            grad.to(x.dtype))
+        state.grads = [grad_h_post, grad_c]
         return grad_x, grad_y.to(y.dtype), None, None
 
 
@@ -283,19 +388,29 @@ class HyperConnection(nn.Module):
         off_diagonal = 1 - torch.eye(n, device=b_res.device)
         b_res.copy_(RESIDUAL_OFF_DIAGONAL_BIAS * off_diagonal.flatten())
 
-    def mapping(self, x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor,
-                scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(H_pre [s, b, n], H_post [s, b, n], C [s, b, n, n])`` in float32 from X and the
-        given parameters (the module's, or their recompute leaves)."""
+    def flat(self, x: torch.Tensor) -> torch.Tensor:
+        """``X [s, b, n, h]`` -> ``[s, b, n*h]`` (a view): the mappings' input."""
         s, b, n, h = x.shape
-        r = unweighted_rms_norm(x.reshape(s, b, n * h).float(), self.norm_eps)
+        return x.reshape(s, b, n * h)
+
+    def gates(self, projected: torch.Tensor, base: torch.Tensor, scale: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(H_pre, H_post, C)`` from the normalized projection ``[s, b, (2+n)n]``: the small,
+        per-token part of the mapping (gates and the Sinkhorn projection), float32."""
+        s, b, n = *projected.shape[:2], self.num_streams
         # scale[0] on the n pre logits, scale[1] on the n post logits, scale[2] on the n*n
         # mixing logits: one multiply-add for all (fewer small ops: this runs per sublayer)
         scales = scale.float().index_select(0, self._scale_index)
-        z = torch.addcmul(base.float(), nn.functional.linear(r, fn.float()), scales)
+        z = torch.addcmul(base.float(), projected, scales)
         gates = torch.sigmoid(z[..., : 2 * n])
         c = sinkhorn(z[..., 2 * n :].view(s, b, n, n), self.sinkhorn_iterations, self.eps)
         return gates[..., :n] + self.eps, 2 * gates[..., n:], c
+
+    def mapping(self, x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor,
+                scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(H_pre [s, b, n], H_post [s, b, n], C [s, b, n, n])`` in float32 from X and the
+        given parameters."""
+        return self.gates(normalized_projection(self.flat(x), fn, self.norm_eps), base, scale)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``X [s, b, n, h]`` -> ``(u [s, b, h] in X's dtype, H_post [s, b, n], C [s, b, n, n])``,
@@ -345,17 +460,11 @@ class HyperHead(nn.Module):
     def weights(self, x: torch.Tensor) -> torch.Tensor:
         """``w [s, b, n]`` in float32 from the streams."""
         s, b, n, h = x.shape
-        r = unweighted_rms_norm(x.reshape(s, b, n * h).float(), self.norm_eps)
-        return torch.sigmoid(self.hc_scale.float() * nn.functional.linear(r, self.hc_fn.float())
-                             + self.hc_base.float()) + self.eps
+        projected = normalized_projection(x.reshape(s, b, n * h), self.hc_fn, self.norm_eps)
+        return torch.sigmoid(self.hc_scale.float() * projected + self.hc_base.float()) + self.eps
 
-    def forward(self, x: torch.Tensor, recompute: bool = False) -> torch.Tensor:
-        """``X [s, b, n, h]`` -> ``[s, b, h]`` in X's dtype. With ``recompute`` the backward
-        keeps X alone and computes ``w`` again (otherwise the float32 copy of the streams and
-        its normalization, two float32 ``[s, b, n*h]`` tensors, are kept)."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``X [s, b, n, h]`` -> ``[s, b, h]`` in X's dtype. The backward keeps X and O(n) values
+        per token (the projection keeps no float32 copy of the streams)."""
         _check_streams(x, self.num_streams, self.hidden_size, "HyperHead")
-        if recompute and torch.is_grad_enabled():
-            w = checkpoint(self.weights, x, use_reentrant=False)
-        else:
-            w = self.weights(x)
-        return weighted_stream_sum(w.to(x.dtype), x)
+        return weighted_stream_sum(self.weights(x).to(x.dtype), x)

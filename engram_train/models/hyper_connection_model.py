@@ -28,7 +28,6 @@ from engram_train.models.hyper_connection_layer import (
     keep_float32,
     mark_sequence_parallel,
     parameter_device,
-    recomputes_mappings,
     split_streams,
 )
 
@@ -39,9 +38,9 @@ def expand_streams(x: torch.Tensor, num_streams: int) -> torch.Tensor:
     return x.unsqueeze(2).expand(s, b, num_streams, h).reshape(s, b, num_streams * h)
 
 
-def _collapse_before_norm(head: HyperHead, recompute: bool, args):
+def _collapse_before_norm(head: HyperHead, args):
     (hidden_states, *rest) = args
-    return (head(split_streams(hidden_states, head.num_streams), recompute=recompute), *rest)
+    return (head(split_streams(hidden_states, head.num_streams)), *rest)
 
 
 class HyperConnectionModelMixin:
@@ -53,7 +52,6 @@ class HyperConnectionModelMixin:
             raise ValueError(f"{type(self).__name__} needs enable_hyper_connections=true")
         super().__init__(config, *args, **kwargs)
         self.num_streams = config.num_residual_streams
-        self.recompute_mhc = recomputes_mappings(config)  # the head's, as the layers' mappings
         if self.post_process and self.decoder.final_layernorm is None:
             raise ValueError("mHC collapses the streams before the decoder's final norm; this "
                              "model's last stage has none (post_layer_norm=False)")
@@ -67,8 +65,7 @@ class HyperConnectionModelMixin:
             keep_float32(head)
             self.decoder.hc_head = head
             self.decoder.final_layernorm.register_forward_pre_hook(
-                lambda norm, args: _collapse_before_norm(self.decoder.hc_head,
-                                                         self.recompute_mhc, args)
+                lambda norm, args: _collapse_before_norm(self.decoder.hc_head, args)
             )
 
     def _preprocess(self, *args, **kwargs):

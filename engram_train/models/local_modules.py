@@ -1,4 +1,4 @@
-"""CPU-capable replacements for two local-spec modules of megatron-core 0.16.1.
+"""CPU-capable replacements for local-spec modules of megatron-core 0.16.1 / 0.19.2.
 
 - ``SDPACoreAttention``: megatron's local ``DotProductAttention`` rejects MLA's
   ``k_channels``/``v_channels`` (q/k and v head dims differ in MLA). This one accepts them
@@ -6,6 +6,10 @@
 - ``RMSNorm``: megatron's ``WrappedTorchNorm`` refuses ``sequence_parallel`` (and MoE with
   TP > 1 requires it). This one marks its weight ``sequence_parallel`` so megatron's
   ``finalize_model_grads`` all-reduces its gradient over the TP group, as TE's norms do.
+- ``MLASelfAttention``: megatron's, with the KV down projection replicated over TP under
+  sequence parallelism (``ReplicatedLinear``, what TE's spec does with ``parallel_mode=
+  "duplicated"``) instead of a ``ColumnParallelLinear``; see its docstring for the gradient
+  the column-parallel form loses.
 """
 
 from __future__ import annotations
@@ -15,9 +19,14 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+import torch.distributed as dist
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.multi_latent_attention import (
+    MLASelfAttention as MegatronMLASelfAttention,
+)
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 
 class SDPACoreAttention(MegatronModule):
@@ -109,3 +118,57 @@ class RMSNorm(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x.float(), self.weight.shape, self.weight.float(), self.eps).to(x.dtype)
+
+
+class ReplicatedLinear(MegatronModule):
+    """``y = x W^T`` with W whole on every TP rank, megatron's linear call convention
+    (``(output, None)``). Under sequence parallelism each rank applies it to its own tokens, so
+    W carries ``sequence_parallel`` and megatron sums its gradient over TP. Checkpoints see the
+    same tensor as the column-parallel layer's (same key, same global shape), replicated."""
+
+    def __init__(self, config: TransformerConfig, weight: torch.Tensor):
+        super().__init__(config=config)
+        self.weight = torch.nn.Parameter(weight)
+        setattr(self.weight, "sequence_parallel", config.sequence_parallel)
+        setattr(self.weight, "tensor_model_parallel", False)
+
+    def forward(self, x: torch.Tensor):
+        return F.linear(x, self.weight), None
+
+    def get_extra_state(self) -> None:  # the column-parallel layer's empty ``_extra_state``
+        return None
+
+    def set_extra_state(self, state) -> None:
+        pass
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        return make_sharded_tensors_for_checkpoint(
+            self.state_dict(prefix="", keep_vars=True), prefix, {}, sharded_offsets)
+
+
+class MLASelfAttention(MegatronMLASelfAttention):
+    """megatron's MLA self-attention whose KV down projection, under TP with sequence
+    parallelism, is one ``ReplicatedLinear`` on this rank's tokens (the branch megatron takes for
+    TE's duplicated linear) rather than a ``ColumnParallelLinear``.
+
+    Why: with the column-parallel layer megatron-core (0.16.1, 0.19.2,
+    ``get_query_key_value_tensors``) gathers its output over TP and splits the gradient back.
+    The decoupled RoPE key ``k_pos_emb`` in that output is shared by all heads, and each TP rank
+    holds only some heads: its gradient is partial on every rank, and the split keeps one
+    rank's part only. The down projection's weight and the layer's input then miss the other
+    ranks' share (measured: the first gradients of ``linear_kv_down_proj`` and the input norms
+    differ by 5e-3 between TP2 + SP and one rank). On the replicated path megatron gathers
+    ``k_pos_emb`` over the sequence, whose backward (a reduce-scatter) sums those parts.
+    Only ``__init__`` is extended: the projection is swapped once megatron has built it (its
+    weight gathered from the column-parallel shards, so the values are those megatron
+    initialized)."""
+
+    def __init__(self, config, submodules, *args, **kwargs):
+        super().__init__(config, submodules, *args, **kwargs)
+        projection = self.linear_kv_down_proj
+        group = getattr(projection, "tp_group", None)
+        if (config.sequence_parallel and group is not None and group.size() > 1
+                and getattr(projection.weight, "tensor_model_parallel", False)):
+            shards = [torch.empty_like(projection.weight) for _ in range(group.size())]
+            dist.all_gather(shards, projection.weight.detach().contiguous(), group=group)
+            self.linear_kv_down_proj = ReplicatedLinear(config, torch.cat(shards, dim=0))

@@ -21,12 +21,17 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from engram_train.models.local_modules import RMSNorm, SDPACoreAttention
+from megatron.core.transformer.multi_latent_attention import (
+    MLASelfAttention as MegatronMLASelfAttention,
+)
+
+from engram_train.models.local_modules import MLASelfAttention, RMSNorm, SDPACoreAttention
 from engram_train.runtime.megatron_fixes import transformer_engine_available
 
 LOCAL_SUBSTITUTIONS: dict[type, type] = {
     DotProductAttention: SDPACoreAttention,
     WrappedTorchNorm: RMSNorm,
+    MegatronMLASelfAttention: MLASelfAttention,
 }
 
 
