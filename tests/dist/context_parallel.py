@@ -4,6 +4,8 @@ part ``core`` (every lane):
 - the Engram branch on a split sequence (CP 4, CP 2 x TP 2 with SP, TP 4 with SP, CP 4 on
   chunks shorter than the halo; 1 and 2 streams) equals the unsplit branch at every position,
   output and input gradient, and its halo moves ``B x (K-1) x N x d x G x 4`` bytes per edge;
+- every dense parameter's first gradient in every core layout against DP4's, TP shards
+  gathered;
 - the demo-like model with Engram for 6 optimizer steps: DP4 (the CP1 reference), CP2 x DP2,
   CP2 x TP2 (SP), CP4, TP2 with SP (with its per-rank lookup counts), and checkpoints
   across CP (CP2 x TP2 -> CP1 and CP1 -> CP2 continue the same losses);
@@ -36,7 +38,7 @@ except ImportError:  # before the checkpoint package
 from engram_train.config import EngramConfig, EngramMLATransformerConfig
 from engram_train.engram.ngram_hash import NgramHashMapping
 from engram_train.training.optimizer import build_optimizer
-from engram_train.training.step import train_step
+from engram_train.training.step import run_forward_backward, train_step
 
 LAYER_IDS = [1, 3]
 GLOBAL_BATCH = 8
@@ -145,6 +147,42 @@ class LookupCounter:
         self.cls.issue = self.original
 
 
+
+
+
+def full_gradients(model, config) -> dict:
+    """Every dense parameter's gradient after one forward-backward (megatron's finalization
+    included), TP shards gathered into the one-rank layout (a gated ``linear_fc1`` holds
+    ``[gate_r; up_r]`` per rank: the gate halves first, then the up halves)."""
+    group = parallel_state.get_tensor_model_parallel_group()
+    grads = {}
+    for name, param in model[0].named_parameters():
+        grad = getattr(param, "main_grad", None)
+        if grad is None:  # Engram's tables: row updates, not dense gradients
+            continue
+        grad = grad.detach().float().clone()
+        if getattr(param, "tensor_model_parallel", False) and group.size() > 1:
+            shards = [torch.empty_like(grad) for _ in range(group.size())]
+            dist.all_gather(shards, grad.contiguous(), group=group)
+            if name.endswith("linear_fc1.weight") and config.gated_linear_unit:
+                halves = [shard.chunk(2, dim=0) for shard in shards]
+                shards = [h[0] for h in halves] + [h[1] for h in halves]
+            grad = torch.cat(shards, dim=param.partition_dim)
+        grads[name] = grad
+    return grads
+
+
+def first_gradients(model, config) -> dict:
+    """``full_gradients`` of step 0's batches (the grad buffers left zero)."""
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    run_forward_backward(model, step_batches(0), SEQ, MICRO_BATCH)
+    grads = full_gradients(model, config)
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    return grads
+
+
 def run_layouts(result, layouts, root: Path, checkpoints: bool):
     init(ParallelSizes(), seed=11)
     save_checkpoint(root / "base", 0, build(model_config(ParallelSizes())))
@@ -152,9 +190,19 @@ def run_layouts(result, layouts, root: Path, checkpoints: bool):
         init(ParallelSizes(), seed=11)
         save_checkpoint(root / "base_mhc", 0, build(model_config(
             ParallelSizes(), enable_hyper_connections=True)))
+    reference = None
     for name, layout, sp, overrides, distopt in layouts:
         model, optimizer = setup(layout, sp, overrides, distopt, seed=21)
         load_checkpoint(root / ("base_mhc" if "mhc" in name else "base"), model)
+        if checkpoints:  # every layout alike: the pass moves the routers' expert bias
+            grads = first_gradients(model, model_config(layout, sp, **overrides))
+            if reference is None:
+                reference = grads
+            else:
+                result[f"{name}_first_gradients"] = {
+                    n: ((g - grads[n]).norm() / g.norm().clamp_min(1e-30)).item()
+                    if n in grads and grads[n].shape == g.shape else None
+                    for n, g in reference.items()}
         counter = LookupCounter()
         steps = []
         try:
