@@ -4,7 +4,7 @@ deepseek_v3_tiny, 2 CPU processes, DP2).
 Timing (default): trainer step time with and without mHC, each with and without Engram, the
 four runs interleaved in every round (machine drift hits them alike); medians over the logged
 iterations after ``--warmup``, and peak RSS. Then where the time goes: the mappings of one
-sublayer (RMS norm + projection, Sinkhorn, collapse, write-back) timed in one process at the
+sublayer (normalized projection, Sinkhorn, collapse, write-back) timed in one process at the
 demo's shapes, forward + backward, times the number of sublayers a step runs.
 Quality (``--quality``): the demo with Engram, single-stream vs mHC, ``--seeds`` seeds,
 validation loss at the last iteration (200).
@@ -76,7 +76,11 @@ def run_trainer(overrides: list[str], iters: int, nproc: int, workdir: Path,
 def sublayer_breakdown(repeats: int = 30) -> dict:
     """One sublayer's mapping at the demo's shapes (s=128, b=2 per micro-batch, n=4, h=64),
     forward + backward, in milliseconds per call, by part."""
-    from engram_train.models.hyper_connection import HyperConnection, sinkhorn, unweighted_rms_norm
+    from engram_train.models.hyper_connection import (
+        HyperConnection,
+        normalized_projection,
+        sinkhorn,
+    )
 
     torch.manual_seed(0)
     s, b, n, h = 128, 2, 4, 64
@@ -85,8 +89,7 @@ def sublayer_breakdown(repeats: int = 30) -> dict:
     y = torch.randn(s, b, h, requires_grad=True)
 
     def mapping():
-        r = unweighted_rms_norm(x.reshape(s, b, n * h).float(), hc.norm_eps)
-        return torch.nn.functional.linear(r, hc.fn)
+        return normalized_projection(x.reshape(s, b, n * h), hc.fn, hc.norm_eps)
 
     def sink():
         logits = torch.randn(s, b, n, n, requires_grad=True)
@@ -103,7 +106,7 @@ def sublayer_breakdown(repeats: int = 30) -> dict:
         return hc.mix(x, y + u, w, c)
 
     timings = {}
-    for name, fn in (("rms_norm_and_projection", mapping), ("sinkhorn", sink),
+    for name, fn in (("normalized_projection", mapping), ("sinkhorn", sink),
                      ("collapse_and_write_back", collapse_and_mix), ("whole_mapping", whole)):
         samples = []
         for i in range(repeats + 5):

@@ -101,13 +101,15 @@ def engram_per_token(config, w: Widths, a: int) -> int:
     return table * memory + a * (memory + 8 * g * w.h_full)
 
 
-def _mhc_none(n: int, w: Widths, a: int) -> int:
-    """No mHC recompute: the streams in, the normalized input, the mixed streams out, and
-    the mappings (n x n mix, pre and post weights) of one sublayer."""
-    return a * 3 * n * w.h_full + 4 * (n * n + 2 * n) * 4
+def _mhc_none(n: int, w: Widths, a: int, iterations: int) -> int:
+    """No mHC recompute: the streams in, and in float32 the logits, the gates and the
+    Sinkhorn's 2T-1 intermediate n x n matrices and their sums, per sublayer (no float32 copy
+    of the streams: ``models/hyper_connection.normalized_projection``)."""
+    small = (2 * iterations - 1) * (n * n + n) + n * n + (2 + n) * n + 2 * n
+    return _mhc_recomputed(n, w, a, iterations) + 4 * small
 
 
-def _mhc_recomputed(n: int, w: Widths, a: int) -> int:
+def _mhc_recomputed(n: int, w: Widths, a: int, iterations: int) -> int:
     """mHC recomputed: the streams in and the mappings."""
     return a * n * w.h_full + 4 * (n * n + 2 * n) * 4
 
@@ -121,7 +123,8 @@ def mhc_per_token(config, w: Widths, a: int) -> int:
         return 0
     modules = getattr(config, "recompute_modules", None) or []
     key = "mhc" if config.recompute_granularity == "selective" and "mhc" in modules else None
-    return 2 * MHC_ACTIVATIONS[key](config.num_residual_streams, w, a)
+    return 2 * MHC_ACTIVATIONS[key](config.num_residual_streams, w, a,
+                                    config.mhc_sinkhorn_iterations)
 
 
 def layer_kinds(config) -> list[str]:
