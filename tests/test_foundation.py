@@ -25,9 +25,11 @@ def test_tp2_pp2_trains_and_loss_falls(foundation):
 
 
 def test_tp2_ep2_sequence_parallel_trains_and_loss_falls(foundation):
+    # 8 steps at lr 1e-2 on one repeated batch: 4.88 -> 3.08 (0.63x) since the MLA down
+    # projection's gradient is complete under TP + SP (0.6 held against the partial one)
     for losses in _last_stage_losses(foundation, "tp2ep2_losses"):
         assert all(math.isfinite(x) for x in losses)
-        assert losses[-1] < 0.6 * losses[0], losses
+        assert losses[-1] < 0.7 * losses[0], losses
 
 
 def test_checkpoint_round_trip_is_exact(foundation):
