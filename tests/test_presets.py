@@ -237,15 +237,20 @@ def test_docs_state_the_counts(counts):
 
 
 def test_mla_latent_norms_need_sequence_parallel_under_tp():
-    """megatron-core sums every q_layernorm gradient over TP: right for the MLA latent norm only
-    when the latent is sequence-split (sequence parallel); otherwise the run is refused."""
+    """MLA under TP needs sequence parallelism: megatron-core sums every q_layernorm gradient
+    over TP (right only for a sequence-split latent), and only its sequence-parallel gather
+    sums the shared RoPE key's partial gradients; otherwise the run is refused, naming both
+    causes where both apply."""
     from engram_train.training.run_config import ConfigError, validate_run_config
 
     dense_tp2 = ["model.num_moe_experts=null", "model.moe_ffn_hidden_size=null",
                  "model.moe_shared_expert_intermediate_size=null",
                  "system.tensor_model_parallel_size=2"]
-    with pytest.raises(ConfigError, match=r"model.qk_layernorm=true .* system.sequence_parallel"):
+    with pytest.raises(ConfigError, match=r"system.sequence_parallel: true .* RoPE key.*"
+                                          r"model.qk_layernorm=true"):
         validate_run_config(_cfg([*dense_tp2, "system.sequence_parallel=false"]), 2)
     validate_run_config(_cfg(dense_tp2), 2)  # auto: sequence parallel on
-    validate_run_config(_cfg([*dense_tp2, "system.sequence_parallel=false",
-                              "+model.qk_layernorm=false"]), 2)
+    with pytest.raises(ConfigError, match=r"RoPE key's gradient partial") as refused:
+        validate_run_config(_cfg([*dense_tp2, "system.sequence_parallel=false",
+                                  "+model.qk_layernorm=false"]), 2)
+    assert "qk_layernorm" not in str(refused.value)

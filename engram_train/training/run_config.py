@@ -140,15 +140,17 @@ def validate_run_config(cfg, world_size: int, check_data: bool = True):
             "MoE with tensor_model_parallel_size > 1 needs sequence parallelism: set "
             "system.sequence_parallel: true (or auto)"
         )
-    if (backbone["qk_layernorm"] and p.tensor > 1
-            and not sequence_parallel(cfg)):
-        # megatron-core sums every q_layernorm gradient over the TP group; the MLA latent is
-        # replicated across TP without sequence parallelism, so that sum doubles its gradient.
+    if p.tensor > 1 and not sequence_parallel(cfg):
+        # MLA (every backbone here): the decoupled RoPE key is shared by all heads, so its
+        # gradient is partial on each TP rank, and only megatron's sequence-parallel gather sums
+        # it (docs/megatron-versions.md); and megatron sums every q_layernorm gradient over TP,
+        # which doubles the replicated latent norm's without sequence parallelism.
         raise ConfigError(
-            "model.qk_layernorm=true (the MLA latent norms) with "
             "system.tensor_model_parallel_size > 1 needs system.sequence_parallel: true (or "
-            "auto): without it megatron-core sums the replicated q-latent norm's gradient over "
-            "the tensor-parallel group; or set model.qk_layernorm=false"
+            "auto) with MLA: without it megatron-core leaves the RoPE key's gradient partial "
+            "on each tensor-parallel rank"
+            + (" and sums the replicated q-latent norm's gradient (model.qk_layernorm=true) "
+               "over the tensor-parallel group" if backbone["qk_layernorm"] else "")
         )
     if backbone["num_moe_experts"] and m.num_moe_experts % p.expert:
         raise ConfigError(
