@@ -33,13 +33,6 @@ RESIDUAL_OFF_DIAGONAL_BIAS = -8.0
 a plain residual per stream, yet far enough from saturation for the mixing to learn."""
 
 
-def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """``x * rsqrt(mean(x**2) + eps)`` over the last dim, no weight (the mappings' input
-    normalization, as DeepSeek-V4 writes it; ``normalized_projection`` computes the mappings'
-    logits from it without forming it)."""
-    return nn.functional.rms_norm(x, (x.shape[-1],), eps=eps)
-
-
 TOKEN_CHUNK_ELEMENTS = {"cpu": 2**19, "cuda": 2**25}
 """Stream elements (tokens x n x h) per chunk of the hand-written passes over the streams (the
 mappings' projection, the recomputed write-back), by device. Every op of a chunk then reads
@@ -63,7 +56,7 @@ def _inverse_rms(xf: torch.Tensor, eps: float) -> torch.Tensor:
 
 @torch.no_grad()
 def projection_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``linear(unweighted_rms_norm(x.float(), eps), weight.float())`` computed as
+    """``linear(rms_norm(x.float(), eps), weight.float())`` (no norm weight) computed as
     ``rsqrt(mean(x**2) + eps) * (x @ weight.T)`` chunk by chunk: float32 ``[..., m]``; the
     normalized float32 streams are never formed. No graph (``normalized_projection`` is the
     differentiable form)."""
@@ -122,7 +115,7 @@ class _NormalizedProjection(torch.autograd.Function):
 
 
 def normalized_projection(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``linear(unweighted_rms_norm(x.float(), eps), weight.float())``, float32, differentiable
+    """``linear(rms_norm(x.float(), eps), weight.float())`` (no norm weight), float32, differentiable
     in X and the weight (``_NormalizedProjection``)."""
     return _NormalizedProjection.apply(x, weight, float(eps))
 
