@@ -451,8 +451,13 @@ class EngramTableOptimizer(MegatronOptimizer):
         # Same keys with and without offload: a float32 table's master is the table itself
         # (no offload) or an exact copy of it (offload), so only bf16 masters are saved.
         self.finish_update()
+        optimizer_state = self.optimizer.state_dict()
+        # torch hands out the live per-parameter state dicts: callers (sharded_state_dict
+        # below, megatron's checkpoint helpers) replace or pop their entries, which must never
+        # reach the state that training continues with.
+        optimizer_state["state"] = {i: dict(s) for i, s in optimizer_state["state"].items()}
         return {
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": optimizer_state,
             "fp32_main_params": self.main_params if self.mixed_precision else None,
             "num_steps": self.num_steps,
         }
