@@ -42,6 +42,7 @@ from engram_train.checkpoint.manifest import (
     files_of,
     rank_world,
 )
+from engram_train.engram.host_table import finish_pending_updates
 from engram_train.checkpoint.state import (
     as_chain,
     full_sharded_state_dict,
@@ -74,6 +75,7 @@ def save_checkpoint(
     rank, _ = rank_world()
     final = iteration_dir(root, iteration)
     tmp = final.with_name(final.name + ".tmp")
+    finish_pending_updates(model)  # an overlapped host table update completes (or raises) first
     bad = nonfinite_parameter(model)
     if bad:
         raise NonFiniteStateError(

@@ -81,6 +81,17 @@ def _copy_stream(device: torch.device) -> torch.cuda.Stream:
     return _copy_streams[device]
 
 
+def finish_pending_updates(model) -> None:
+    """Wait for every overlapped host update still changing a table of ``model`` (a module or
+    a list of them), before the tables are read as a whole (a checkpoint, a NaN check); raises
+    the update's error if it failed (``training/host_update.py``)."""
+    for chunk in model if isinstance(model, (list, tuple)) else [model]:
+        for param in chunk.parameters():
+            pending = getattr(param, PENDING_ATTR, None)
+            if pending is not None:
+                pending.finish()
+
+
 def read_host_rows(weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """``weight[rows]`` of a host-resident shard, delivered on ``rows``' device (see the module
     docstring). Not differentiable by itself: the callers' autograd functions route the

@@ -7,10 +7,18 @@ needs to wait only for the rows in both sets.
 
 How. ``launch`` hands each table's touched rows to one host thread, which updates them in
 chunks in a fixed order and publishes how many are done. A lookup of a table with an update in
-flight (``engram/host_table.read_host_rows`` calls ``wait_for_rows``) finds where its rows sit
-in that order and waits until the chunk holding the last of them is done; a lookup that shares
-no row with the update does not wait at all. When the next step's rows are known before the
-update starts (``prioritize``), they go first, so the overlap waits for the intersection only.
+flight (``engram/host_table.read_host_rows`` calls ``PendingRows.wait_for``) finds where its
+rows sit in that order and waits until the chunk holding the last of them is done; a lookup that
+shares no row with the update does not wait at all. When the next step's rows are known before
+the update starts (``prioritize``), they go first, those of every table before the other rows of
+any table, so a lookup waits for the intersection (its table's, and that of the tables before
+it) only, never for rows the next step does not read.
+
+Errors. An exception on the host thread leaves the tables of that step half updated: every later
+lookup of such a table, ``finish`` and the next ``launch`` raise `HostUpdateError` (the thread's
+error chained), so no step reads and no checkpoint saves those tables; the error stays raised.
+Checkpoint saves finish the update first (``engram/host_table.finish_pending_updates``), and
+the trainer finishes the last step's update before it leaves the loop.
 
 Exactness. The table optimizers update each row from that row's state alone
 (``RowOptimizer.update_rows``), with the step's hyper-parameters read before the thread starts,
@@ -26,25 +34,43 @@ import time
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
 from engram_train.engram.host_table import HOST_TABLE_TIMES, PENDING_ATTR
+from engram_train.errors import EngramError
 
 CHUNK_ROWS = 4096
 """Rows per chunk of the host thread: the granularity at which a lookup can proceed."""
 
 
-class PendingRows:
-    """The rows of one table that an in-flight update is changing, in update order."""
+class HostUpdateError(EngramError, RuntimeError):
+    """The overlapped host table update failed: the tables of that step are incomplete."""
 
-    def __init__(self, rows: torch.Tensor, progress: "_Progress", table_index: int) -> None:
+
+def _update_error(error: BaseException) -> HostUpdateError:
+    rank = f" on rank {dist.get_rank()}" if dist.is_available() and dist.is_initialized() else ""
+    return HostUpdateError(
+        f"the Engram host table update failed{rank} ({type(error).__name__}: {error}); the "
+        "tables of that step are incomplete: stopped, nothing saved since the last checkpoint")
+
+
+class PendingRows:
+    """The rows of one table that an in-flight update is changing, in update order;
+    ``finish`` waits for the whole update (``OverlappedHostUpdate.finish``)."""
+
+    def __init__(self, rows: torch.Tensor, progress: "_Progress", table_index: int,
+                 finish: Callable[[], None] | None = None) -> None:
         self.rows = rows  # host int64 [u], update order
         self.progress = progress
         self.table_index = table_index
+        self.finish = finish or (lambda: None)
         # row -> position in the update order, for the intersection search
         self.sorted_rows, self.order = torch.sort(rows)
 
     def wait_for(self, rows: torch.Tensor) -> None:
-        """Block until every row of ``rows`` (host int64) that this update changes is done."""
+        """Block until every row of ``rows`` (host int64) that this update changes is done;
+        `HostUpdateError` once the update has failed (whichever rows it reached)."""
+        self.progress.check()
         if self.progress.finished or self.rows.numel() == 0 or rows.numel() == 0:
             return
         at = torch.searchsorted(self.sorted_rows, rows.reshape(-1)).clamp_(max=self.rows.numel() - 1)
@@ -74,13 +100,17 @@ class _Progress:
             self.finished, self.error = True, error
             self.cond.notify_all()
 
+    def check(self) -> None:
+        """Raise `HostUpdateError` if the update has failed."""
+        if self.error is not None:
+            raise _update_error(self.error) from self.error
+
     def wait(self, table: int, position: int) -> None:
         start = time.perf_counter()
         with self.cond:
             self.cond.wait_for(lambda: self.finished or self.done[table] > position)
         HOST_TABLE_TIMES.wait_s += time.perf_counter() - start
-        if self.error is not None:
-            raise RuntimeError("the overlapped Engram host table update failed") from self.error
+        self.check()
 
 
 class OverlappedHostUpdate:
@@ -91,6 +121,7 @@ class OverlappedHostUpdate:
         self._progress: _Progress | None = None
         self._tables: list[torch.Tensor] = []
         self._priority: list[torch.Tensor | None] | None = None
+        self._error: BaseException | None = None  # a failed update: raised from then on
 
     def prioritize(self, rows_per_table: list[torch.Tensor | None]) -> None:
         """Shard-local rows the next step will read, per table (None: unknown); they are
@@ -103,21 +134,25 @@ class OverlappedHostUpdate:
         host-resident parameters lookups read) with ``update(i, rows_part)``."""
         self.finish()
         priority, self._priority = self._priority, None
-        ordered = [self._order(r, priority[i] if priority else None) for i, r in enumerate(rows)]
+        parts = [self._order(r, priority[i] if priority else None) for i, r in enumerate(rows)]
+        ordered = [torch.cat(p) for p in parts]
         progress = _Progress(len(tables))
         for i, table in enumerate(tables):
-            setattr(table, PENDING_ATTR, PendingRows(ordered[i], progress, i))
+            setattr(table, PENDING_ATTR, PendingRows(ordered[i], progress, i, self.finish))
+        # the prioritized rows of every table, then the other rows of every table
+        spans = [(i, 0, p[0].numel()) for i, p in enumerate(parts)]
+        spans += [(i, p[0].numel(), ordered[i].numel()) for i, p in enumerate(parts)]
 
         def work() -> None:
             start = time.perf_counter()
             try:
-                for i, table_rows in enumerate(ordered):
-                    for lo in range(0, table_rows.numel(), CHUNK_ROWS):
-                        hi = min(lo + CHUNK_ROWS, table_rows.numel())
-                        update(i, table_rows[lo:hi])
+                for i, first, end in spans:
+                    for lo in range(first, end, CHUNK_ROWS):
+                        hi = min(lo + CHUNK_ROWS, end)
+                        update(i, ordered[i][lo:hi])
                         progress.advance(i, hi)
                 progress.finish()
-            except BaseException as e:  # surfaced on the training thread by finish/wait
+            except BaseException as e:  # surfaced on the training thread by finish/wait_for
                 progress.finish(e)
             HOST_TABLE_TIMES.update_s += time.perf_counter() - start
 
@@ -126,27 +161,35 @@ class OverlappedHostUpdate:
         self._thread.start()
 
     @staticmethod
-    def _order(rows: torch.Tensor, first: torch.Tensor | None) -> torch.Tensor:
-        """``rows`` with those in ``first`` moved to the front (stable otherwise)."""
+    def _order(rows: torch.Tensor, first: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the rows of ``rows`` in ``first``, the others), each in ``rows``' order."""
         if first is None or rows.numel() == 0:
-            return rows
+            return rows[:0], rows
         hot = torch.isin(rows, first.to(rows.device))
-        return torch.cat([rows[hot], rows[~hot]])
+        return rows[hot], rows[~hot]
 
     def finish(self) -> None:
-        """Wait for the update in flight (if any) and clear the pending marks."""
-        if self._thread is None:
-            return
-        start = time.perf_counter()
-        self._thread.join()
-        HOST_TABLE_TIMES.wait_s += time.perf_counter() - start
-        for table in self._tables:
-            if hasattr(table, PENDING_ATTR):
-                delattr(table, PENDING_ATTR)
-        error = self._progress.error if self._progress else None
-        self._thread, self._progress, self._tables = None, None, []
-        if error is not None:
-            raise RuntimeError("the overlapped Engram host table update failed") from error
+        """Wait for the update in flight (if any) and clear the pending marks; after a failed
+        update, raise `HostUpdateError` (now and at every later call: the marks stay, so
+        lookups of those tables raise too)."""
+        if self._thread is not None:
+            start = time.perf_counter()
+            self._thread.join()
+            HOST_TABLE_TIMES.wait_s += time.perf_counter() - start
+            self._error = self._progress.error
+            if self._error is None:
+                for table in self._tables:
+                    if hasattr(table, PENDING_ATTR):
+                        delattr(table, PENDING_ATTR)
+                self._tables = []
+            self._thread, self._progress = None, None
+        if self._error is not None:
+            raise _update_error(self._error) from self._error
+
+    def check(self) -> None:
+        """Raise `HostUpdateError` if the update has failed, without waiting for it."""
+        if self._error is not None or (self._progress is not None and self._progress.error):
+            self.finish()
 
 
 @torch.no_grad()
