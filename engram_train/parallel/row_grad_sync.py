@@ -5,7 +5,9 @@ Every replica ends with the same (rows, values), bit for bit: the sparse route a
 every replica's coalesced pairs and each replica coalesces the same concatenation in the same
 order; the dense route all-reduces a [rows, D] buffer (and a touched-row mask), after which
 all replicas read the same tensor. The choice between them is made from all-gathered counts,
-so every replica takes the same route.
+so every replica takes the same route. A host-resident table (``engram/host_table.py``) always
+takes the sparse route: the dense one would put a float32 buffer the size of the shard on the
+compute device, which host placement exists to avoid.
 """
 
 from __future__ import annotations
@@ -58,10 +60,12 @@ def sync_row_grads(
     grads: list[tuple[torch.Tensor, torch.Tensor]],
     shard_rows: list[int],
     group: dist.ProcessGroup | None,
+    dense_allowed: list[bool] | None = None,
 ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], RowGradSyncStats]:
     """Sum each table's coalesced (rows, values) over ``group``; returns the summed pairs in
     the same order (sorted distinct rows) and what was done (the route per table is
-    ``sparse_is_cheaper``'s choice)."""
+    ``sparse_is_cheaper``'s choice, sparse wherever ``dense_allowed`` says False: the same on
+    every replica, e.g. host-resident tables)."""
     rows_before = [r.numel() for r, _ in grads]
     if group is None or group.size() == 1 or not grads:
         return grads, RowGradSyncStats(["local"] * len(grads), rows_before, rows_before)
@@ -72,9 +76,10 @@ def sync_row_grads(
     dist.all_gather_into_tensor(all_counts, local_counts, group=group)
     counts = all_counts.view(size, len(grads)).t().tolist()  # [table][replica]
     out, routes = [], []
-    for (rows, values), num_rows, table_counts in zip(grads, shard_rows, counts):
+    allowed = [True] * len(grads) if dense_allowed is None else dense_allowed
+    for (rows, values), num_rows, table_counts, dense_ok in zip(grads, shard_rows, counts, allowed):
         dim = values.shape[1]
-        sparse = sparse_is_cheaper(sum(table_counts), num_rows, dim, size)
+        sparse = not dense_ok or sparse_is_cheaper(sum(table_counts), num_rows, dim, size)
         if sparse:
             if max(table_counts) == 0:
                 out.append((rows, values))

@@ -36,8 +36,8 @@ scheduler (``param_groups`` carry ``max_lr``/``min_lr``/``wd_mult`` like megatro
    gradient rows (no memory) whose ``.grad`` is those rows, so the clip scales them in place.
 4. ``step_with_ready_grads`` - ``sparse_adam``: ``RowSparseAdam`` (``training/sparse_adam.py``)
    on the touched rows of the float32 masters, then those rows are copied to the table.
-   ``adam``: the rows are scattered into a dense float32 gradient and torch Adam (AdamW when
-   ``decoupled_weight_decay``, as megatron picks) steps the whole shard.
+   ``adam``: the rows are scattered into a dense float32 gradient and torch AdamW steps the
+   whole shard. ``engram_weight_decay`` is decoupled (AdamW's) for every table optimizer.
 
 Masters: a float32 table is its own master (no copy); a bf16 table gets a float32 master.
 Optimizer-state offload (``engram_offload_embedding_optimizer_states``): masters and Adam
@@ -47,11 +47,12 @@ rows up; with ``adam`` the dense gradient is built on the host and the whole sha
 On a host without CUDA, offload keeps separate masters and runs the same copies.
 Host-resident tables (``engram_table_placement: host``, ``engram/host_table.py``): the tables
 themselves, hence their masters and moments, live in host memory; gradient rows are synced on
-the compute device and the step runs on the host (offload is implied and adds nothing).
+the compute device (sparse route only: never a table-sized buffer) and the step runs on the
+host (offload is implied and adds nothing).
 
-Checkpoints: the same keys for both optimizers and with or without offload (dense moments per
-table, float32 masters under bf16 only), so a run may switch ``engram_optimizer`` or offload
-on resume.
+Checkpoints (``training/table_optimizer_state.py``): the same keys for both element-wise
+optimizers and with or without offload (dense moments per table, float32 masters under bf16
+only), so a run may switch between them or offload on resume.
 """
 
 from __future__ import annotations
@@ -62,11 +63,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.dist_checkpointing.optimizer import (
-    get_param_id_to_sharded_param_map,
-    make_sharded_optimizer_tensor,
-    optim_state_to_sharding_state,
-)
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.optimizer.clip_grads import get_grad_norm_fp32
 from megatron.core.optimizer.optimizer import MegatronOptimizer
@@ -78,6 +74,11 @@ from engram_train.runtime.distributed import device as runtime_device
 from engram_train.training.host_update import OverlappedHostUpdate
 from engram_train.training.rowwise_adam import RowwiseAdam
 from engram_train.training.sparse_adam import RowOptimizer, RowSparseAdam
+from engram_train.training.table_optimizer_state import (  # noqa: F401 - the layouts' home
+    ELEMENTWISE_STATE,
+    ROWWISE_STATE,
+    TableOptimizerState,
+)
 
 
 def engram_table_param_group(opt_config: OptimizerConfig, model_config: Any) -> dict:
@@ -122,9 +123,10 @@ def _rowwise_adam(group: dict, config: OptimizerConfig, offload: bool, *, state_
 
 def _dense_adam(group: dict, config: OptimizerConfig, offload: bool,
                 **options) -> torch.optim.Optimizer:
-    """``adam``: torch's dense Adam(W), a step costs the whole table (the reference)."""
-    adam_cls = torch.optim.AdamW if config.decoupled_weight_decay else torch.optim.Adam
-    return adam_cls(
+    """``adam``: torch's dense AdamW, a step costs the whole table (the reference). Weight decay
+    is decoupled whatever megatron's ``decoupled_weight_decay``, as the row-sparse optimizers
+    apply it: one ``engram_weight_decay`` means one update."""
+    return torch.optim.AdamW(
         [group], lr=group["lr"], weight_decay=group["weight_decay"],
         betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
         # Host tensors: torch would pick its single-tensor loop; foreach is the same
@@ -136,12 +138,8 @@ def _dense_adam(group: dict, config: OptimizerConfig, offload: bool,
 # ``engram_optimizer`` -> the torch optimizer stepping the tables (names: config.TABLE_OPTIMIZERS)
 TABLE_OPTIMIZER_BUILDERS = {"sparse_adam": _row_sparse_adam, "adam": _dense_adam,
                             "rowwise_adam": _rowwise_adam}
-# Optimizer-state layouts: a checkpoint resumes only into an optimizer of the same layout.
-ROWWISE_STATE = "rowwise"
-ELEMENTWISE_STATE = "elementwise"
 
-
-class EngramTableOptimizer(MegatronOptimizer):
+class EngramTableOptimizer(TableOptimizerState, MegatronOptimizer):
     """Adam (dense) or lazy row-wise Adam over this rank's Engram table shards; see the module
     docstring.
 
@@ -232,6 +230,8 @@ class EngramTableOptimizer(MegatronOptimizer):
     @torch.no_grad()
     def prepare_grads(self) -> bool:
         """Coalesce each table's row pairs, scale by 1 / DP and sum over the grad-sync group."""
+        if self.host_update is not None:  # a failed overlapped update stops before any collective
+            self.host_update.check()
         scale = 1.0 / parallel_state.get_data_parallel_world_size(with_context_parallel=True)
         local = []
         for param, accumulator in zip(self.model_params, self.accumulators):
@@ -246,7 +246,7 @@ class EngramTableOptimizer(MegatronOptimizer):
             local.append((rows, values.mul_(scale)))
         self._row_grads, self.last_sync = sync_row_grads(
             local, [p.shape[0] for p in self.model_params], self.grad_sync_group,
-        )
+            dense_allowed=[not is_host_resident(p) for p in self.model_params])
         self._carriers = []
         for _, values in self._row_grads:
             carrier = torch.zeros((), dtype=torch.float32, device=values.device)
@@ -325,10 +325,12 @@ class EngramTableOptimizer(MegatronOptimizer):
         if grads is None:  # no prepare_grads this step: nothing was looked up
             grads = [(torch.empty(0, dtype=torch.int64, device=p.device),
                       torch.empty((0, p.shape[1]), device=p.device)) for p in self.model_params]
+        if self.overlap:
+            self.host_update.finish()  # counts its own wait as critical path
         start = time.perf_counter()
         if self.overlap:
             self._launch_overlapped_step(grads)
-            HOST_TABLE_TIMES.wait_s += time.perf_counter() - start
+            HOST_TABLE_TIMES.wait_s += time.perf_counter() - start  # launching it
         elif self.sparse:
             self._sparse_step(grads)
         else:
@@ -358,7 +360,6 @@ class EngramTableOptimizer(MegatronOptimizer):
     def _launch_overlapped_step(self, grads) -> None:
         """Host tables: the step count and hyper-parameters advance now, the rows are updated
         by the host thread (``training/host_update.py``) while the next step starts."""
-        self.host_update.finish()
         plans = self.optimizer.begin_step()
         host = [(rows.to("cpu"), values.to("cpu")) for rows, values in grads]
         # row id -> its gradient row, for any part of the rows (a search, nothing table-sized)
@@ -418,18 +419,7 @@ class EngramTableOptimizer(MegatronOptimizer):
             if main is not param:
                 main.data.copy_(param.data)
 
-    # -- state ---------------------------------------------------------------------------
-
-    def _init_state(self, optimizer, config=None) -> None:
-        """Adam state for every parameter (so a checkpoint can be loaded into it)."""
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if isinstance(optimizer, RowOptimizer):
-                    optimizer.init_state(p)
-                elif len(optimizer.state[p]) == 0:
-                    optimizer.state[p]["step"] = torch.zeros((), dtype=torch.float32)
-                    optimizer.state[p]["exp_avg"] = torch.zeros_like(p.data)
-                    optimizer.state[p]["exp_avg_sq"] = torch.zeros_like(p.data)
+    # -- state: checkpoints in training/table_optimizer_state.py --------------------------
 
     def offload_to_cpu(self) -> None:
         """megatron's RL hook; with offload the states already live in host memory."""
@@ -440,89 +430,3 @@ class EngramTableOptimizer(MegatronOptimizer):
         """megatron's RL hook; with offload the states stay in host memory."""
         if not self.offload:
             super().restore_from_cpu()
-
-    @property
-    def state_layout(self) -> str:
-        """``rowwise`` (rowwise_adam: a second moment per row) or ``elementwise`` (sparse_adam
-        and adam: interchangeable dense moments)."""
-        return ROWWISE_STATE if isinstance(self.optimizer, RowwiseAdam) else ELEMENTWISE_STATE
-
-    def state_dict(self) -> dict:
-        # Same keys with and without offload: a float32 table's master is the table itself
-        # (no offload) or an exact copy of it (offload), so only bf16 masters are saved.
-        self.finish_update()
-        optimizer_state = self.optimizer.state_dict()
-        # torch hands out the live per-parameter state dicts: callers (sharded_state_dict
-        # below, megatron's checkpoint helpers) replace or pop their entries, which must never
-        # reach the state that training continues with.
-        optimizer_state["state"] = {i: dict(s) for i, s in optimizer_state["state"].items()}
-        return {
-            "optimizer": optimizer_state,
-            "fp32_main_params": self.main_params if self.mixed_precision else None,
-            "num_steps": self.num_steps,
-        }
-
-    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False,
-                           metadata: dict | None = None) -> dict:
-        """Adam moments (and float32 main copies) as ShardedTensors shaped like their table's:
-        global rows, same replica ids, so they reshard with it. The step count is common."""
-        self.finish_update()
-        if is_loading:
-            self._init_state(self.optimizer)
-        state = self.state_dict()
-        id_to_sharded = get_param_id_to_sharded_param_map(
-            model_sharded_state_dict, self.model_params
-        )
-        missing = [i for i in range(len(self.model_params)) if i not in id_to_sharded]
-        if missing:
-            raise RuntimeError(
-                f"Engram tables {missing} of this rank are not in the model's sharded state dict"
-            )
-        row_moments = {i: s.pop("exp_avg_sq_row") for i, s in state["optimizer"]["state"].items()
-                       if "exp_avg_sq_row" in s}
-        optim_state_to_sharding_state(state["optimizer"], id_to_sharded, exclude_keys=("step",))
-        for i, row_moment in row_moments.items():
-            state["optimizer"]["state"][i]["exp_avg_sq_row"] = _row_vector_sharded(
-                id_to_sharded[i], row_moment, "optimizer.state.exp_avg_sq_row")
-        if self.mixed_precision:
-            state["fp32_main_params"] = [
-                make_sharded_optimizer_tensor(id_to_sharded[i], main, "optimizer.state.fp32_param")
-                for i, main in enumerate(self.main_params)
-            ]
-        return state
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        self.finish_update()
-        optimizer_state = state_dict["optimizer"]
-        num_steps = int(state_dict.get("num_steps", 0))
-        for param_state in optimizer_state["state"].values():
-            param_state["step"] = torch.tensor(float(num_steps), dtype=torch.float32)
-        optimizer_state["param_groups"] = self._filter_and_reorder_param_groups(
-            self.optimizer.param_groups, optimizer_state["param_groups"]
-        )
-        self.optimizer.load_state_dict(optimizer_state)
-        saved_mains = state_dict.get("fp32_main_params") if self.mixed_precision else None
-        if saved_mains is not None:
-            with torch.no_grad():
-                for main, saved in zip(self.main_params, saved_mains):
-                    main.data.copy_(saved)
-        else:  # float32 tables (or a checkpoint without masters): the model was loaded first
-            self._refresh_masters_from_model()
-        self.num_steps = num_steps
-
-
-def _row_vector_sharded(model_param, row_vector: torch.Tensor, prefix: str):
-    """A per-row optimizer vector [rows] as a ShardedTensor [rows, 1] placed like its table's
-    rows (so it reshards with the table)."""
-    from dataclasses import replace
-
-    fragments = model_param.axis_fragmentations
-    sharded = replace(
-        model_param, key=f"{prefix}.{model_param.key}", data=row_vector.view(-1, 1),
-        dtype=row_vector.dtype, local_shape=(model_param.local_shape[0], 1),
-        global_shape=(model_param.global_shape[0], 1),
-        global_offset=(model_param.global_offset[0], 0),
-        axis_fragmentations=None if fragments is None else (fragments[0], 1),
-    )
-    sharded.validate_metadata_integrity()
-    return sharded

@@ -226,3 +226,10 @@ def prioritize_next_step(model_chunks, optimizer, microbatches) -> None:
     for part in overlapping_parts(optimizer):
         rows = next_step_rows(model_chunks, microbatches)
         part.prioritize_rows([rows.get(id(p)) for p in part.model_params])
+
+
+def finish_overlapped_updates(optimizer) -> None:
+    """Finish the host table update in flight in ``optimizer`` (a chain or itself), if any;
+    raises `HostUpdateError` if it failed."""
+    for part in overlapping_parts(optimizer):
+        part.finish_update()

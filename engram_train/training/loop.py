@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import time
 
 import torch.distributed as dist
@@ -19,7 +20,7 @@ from engram_train.runtime import destroy_distributed
 from engram_train.training.divergence import SUSPECT, DivergenceError, guard_from_config, stop_message
 from engram_train.training.engram_timing import EngramStepTimes
 from engram_train.training.faults import NonFiniteTrainingError, SkipNonFiniteUpdate, StopCheck
-from engram_train.training.host_update import overlapping_parts
+from engram_train.training.host_update import HostUpdateError, finish_overlapped_updates, overlapping_parts
 from engram_train.training.job import Job
 from engram_train.training.resume import Progress
 from engram_train.training.step import evaluate, train_step
@@ -212,8 +213,14 @@ def train(job: Job, progress: Progress) -> dict:
             if stop.exit:
                 _say_exit(job, progress, stop)
                 break
+        finish_overlapped_updates(job.optimizer)  # the last step's table update: its error too
         if c.save and progress.last_saved != progress.iteration and not (stop and stop.exit) and not abnormal:
             _save(job, progress)
+    except HostUpdateError as e:
+        # Raised on this rank only (its host thread failed), before its next collective: it
+        # says so itself and exits; torchrun then stops the ranks waiting for it.
+        print(f"engram-train: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
     finally:
         if hasattr(train_iter, "close"):
             train_iter.close()
