@@ -107,7 +107,9 @@ def test_publish_is_atomic_marks_the_export_and_removes_stale_partials(tmp_path)
     assert sorted(logged) == sorted(f"removed {p}, left by an interrupted export" for p in stale)
     publish(out, "hf", lambda folder: (folder / "a.bin").write_text("a"), logged.append)
     assert sorted(p.name for p in out.iterdir()) == [MARKER, "a.bin"]
-    assert json.loads((out / MARKER).read_text()) == {"written_by": "engram-export", "format": "hf"}
+    marker = json.loads((out / MARKER).read_text())
+    assert {k: marker[k] for k in ("written_by", "format")} == {"written_by": "engram-export", "format": "hf"}
+    assert marker["files"] == {"a.bin": {"size": 1, "sha256": hashlib.sha256(b"a").hexdigest()}}
     publish(out, "hf", lambda folder: (folder / "b.bin").write_text("b"), logged.append)  # replaced whole
     assert sorted(p.name for p in out.iterdir()) == [MARKER, "b.bin"]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, "model", unrelated.name])

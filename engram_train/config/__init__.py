@@ -40,6 +40,7 @@ from engram_train.config.run import (
     RunConfig,
     SystemConfig,
     TrainConfig,
+    check_known_keys,
     register,
     typed_run_config,
 )
@@ -65,6 +66,7 @@ __all__ = [
     "SystemConfig",
     "TrainConfig",
     "check_hyper_connections",
+    "check_known_keys",
     "engram_table_dtype",
     "require_int",
     "residual_streams",

@@ -90,20 +90,30 @@ def check_hyper_connections(config, mhc_recompute: bool | None = None) -> None:
     resolve_mhc_recompute(config, mhc_recompute)
     streams = residual_streams(config.enable_hyper_connections, config.num_residual_streams)
     hc_mult = config.engram_hc_mult
+    # The ranges hold with mHC off as well: a value no mHC run could use is a mistake, and
+    # turning mHC on later must not be the first time it is noticed.
+    off = "" if config.enable_hyper_connections else " (checked with enable_hyper_connections=false too)"
+    if config.num_residual_streams < 1:
+        raise ValueError(
+            f"num_residual_streams={config.num_residual_streams} must be >= 1 (>= 2 with "
+            f"enable_hyper_connections=true; DeepSeek uses 4){off}: set it to 4 or drop it"
+        )
+    if config.mhc_sinkhorn_iterations < 1:
+        raise ValueError(
+            f"mhc_sinkhorn_iterations={config.mhc_sinkhorn_iterations} must be >= 1{off}: set it "
+            "to 20 (the default) or drop it"
+        )
+    if config.mhc_init_gating_factor < 0:
+        raise ValueError(
+            f"mhc_init_gating_factor={config.mhc_init_gating_factor} must be >= 0{off}: set it to "
+            "0.01 (the default) or drop it"
+        )
     if config.enable_hyper_connections:
         if config.num_residual_streams < 2:
             raise ValueError(
                 f"num_residual_streams={config.num_residual_streams} must be >= 2 with "
                 "enable_hyper_connections=true (DeepSeek uses 4); or set "
                 "enable_hyper_connections: false"
-            )
-        if config.mhc_sinkhorn_iterations < 1:
-            raise ValueError(
-                f"mhc_sinkhorn_iterations={config.mhc_sinkhorn_iterations} must be >= 1 (20)."
-            )
-        if config.mhc_init_gating_factor < 0:
-            raise ValueError(
-                f"mhc_init_gating_factor={config.mhc_init_gating_factor} must be >= 0 (0.01)."
             )
         if getattr(config, "mtp_num_layers", None):
             raise ValueError(

@@ -256,11 +256,12 @@ def register() -> None:
 def typed_run_config(cfg):
     """``cfg`` (a DictConfig or a plain mapping, e.g. a run config saved by an older version)
     merged onto the schema: every section key present with its type. A key the schema does not
-    know (also one added with ``+train.foo=...``, which Hydra lets through) or a value of the
-    wrong type raises `ConfigError` naming the key and the expected type."""
+    know (also one added with ``+train.foo=...``, which Hydra lets through: `check_known_keys`)
+    or a value of the wrong type raises `ConfigError` naming the key and the expected type."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
+    check_known_keys(cfg)
     try:
         typed = OmegaConf.merge(OmegaConf.structured(RunConfig), cfg)
     except OmegaConfBaseException as e:
@@ -269,3 +270,39 @@ def typed_run_config(cfg):
                           "lists every key with its type)") from None
     OmegaConf.set_struct(typed, True)
     return typed
+
+
+def check_known_keys(cfg) -> None:
+    """Refuse a key that no typed section defines, naming it and the closest known key.
+
+    Hydra refuses ``train.lrr=1e-3`` while composing, but it adds ``+train.lrr=1e-3`` (and
+    ``++``) to a structured section without a word; nothing would read the key. Called on the
+    composed config before anything else (`typed_run_config`, the trainer's first step;
+    ``validate_run_config`` for the planning tools), so that such a run stops at once."""
+    import dataclasses
+
+    known_sections = [f.name for f in dataclasses.fields(RunConfig)]
+    for section in cfg.keys() if hasattr(cfg, "keys") else ():
+        if section not in known_sections:
+            _refuse_unknown(str(section), "RunConfig", "", known_sections)
+        schema = SECTIONS.get(section)
+        node = cfg[section] if schema is not None else None
+        if not hasattr(node, "keys"):
+            continue  # `model` is free-form; a non-mapping section is a type error for merge
+        fields = [f.name for f in dataclasses.fields(schema)]
+        for key in node.keys():
+            if key not in fields:
+                _refuse_unknown(str(key), schema.__name__, f"{section}.", fields)
+
+
+def _refuse_unknown(key: str, schema: str, prefix: str, known: list[str]) -> None:
+    import difflib
+
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    hint = f"did you mean {prefix}{close[0]}? " if close else ""
+    where = ("a '+' does not add keys to a typed section" if prefix else
+             "the run config's sections are " + ", ".join(known))
+    raise ConfigError(
+        f"{prefix}{key}: Key '{key}' not in '{schema}': no part of the run reads it ({where}); "
+        f"{hint}fix or drop the override (README 'Configuration reference' lists every key)"
+    )

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 
 from engram_train.errors import EngramError
 from engram_train.export.config_source import read_config_file
 from engram_train.export.errors import ExportError
 from engram_train.export.exporter import DEFAULT_SHARD_BYTES, TABLE_DTYPES
-from engram_train.export.publish import FORMATS
+from engram_train.export.publish import FORMATS, MARKER, verify_export
 
 
 def _parse_size(text: str) -> int:
@@ -27,9 +28,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "DeepSeek reference's names, hash constants, tokenizer and backbone "
                     "(format: docs/export.md).",
     )
-    parser.add_argument("--load", required=True, metavar="CKPT_DIR",
+    parser.add_argument("--load", metavar="CKPT_DIR",
                         help="checkpoint.save folder of the run (or one iter_XXXXXXX folder)")
-    parser.add_argument("--out", required=True, metavar="DIR", help="export folder to create")
+    parser.add_argument("--out", metavar="DIR", help="export folder to create")
+    parser.add_argument("--check", metavar="DIR", default=None,
+                        help=f"export nothing: check an earlier export's files against the sizes "
+                             f"and SHA-256 its {MARKER} recorded, naming each changed, missing "
+                             "or added file")
     parser.add_argument("--iteration", type=int, default=None,
                         help="iteration to export (default: the latest complete one)")
     parser.add_argument("--config", default=None, metavar="YAML",
@@ -54,7 +59,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.check is not None:
+        if args.load or args.out:
+            parser.error("--check takes no --load or --out")
+        try:
+            count = verify_export(args.check)
+        except EngramError as err:
+            raise SystemExit(f"engram-export: error: {err}") from None
+        print(f"engram-export: {args.check}: {count} files match the SHA-256 recorded in its "
+              f"{MARKER}", file=sys.stderr)
+        return
+    if not (args.load and args.out):
+        parser.error("the following arguments are required: --load, --out (or --check DIR)")
     fmt = FORMATS[args.format]
     options = {"table_dtype": args.table_dtype}
     given = [name for name, value in options.items() if value is not None and name not in fmt.options]

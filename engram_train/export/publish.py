@@ -7,11 +7,14 @@ writer fills a folder; `publish` does the rest the same way for all: ``--out`` i
 its ``MARKER`` file), the folder is written as ``.<out>.<pid>.<random>.partial`` next to
 ``--out``, every file and the folder are fsynced, and one rename puts it in place. Partial
 folders of the same target left by an interrupted export (its process gone) are removed first.
-Messages go to stderr.
+The marker records every file's size and SHA-256; `verify_export` (``engram-export --check
+DIR``) names each file changed, missing or added since (a modified ``modeling_*.py`` would run
+with ``trust_remote_code=True``). Messages go to stderr.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import json
 import os
@@ -158,7 +161,8 @@ def publish(out: str | os.PathLike, format_name: str, write: Callable[[Path], No
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.{os.getpid()}.", suffix=".partial", dir=out.parent))
     try:
         write(tmp)
-        (tmp / MARKER).write_text(json.dumps({"written_by": "engram-export", "format": format_name}) + "\n")
+        marker = {"written_by": "engram-export", "format": format_name, "files": file_digests(tmp)}
+        (tmp / MARKER).write_text(json.dumps(marker, indent=1, sort_keys=True) + "\n")
         _fsync_tree(tmp)
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp made it private
         old = None
@@ -173,3 +177,66 @@ def publish(out: str | os.PathLike, format_name: str, write: Callable[[Path], No
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+# Written by tools that read an export, not by it: not reported as added files.
+_NOT_EXPORTED = ("__pycache__", ".cache", MARKER)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _files(folder: Path) -> list[str]:
+    found = []
+    for dirpath, dirnames, filenames in os.walk(folder):
+        dirnames[:] = sorted(d for d in dirnames if d not in _NOT_EXPORTED)
+        found += [Path(dirpath, n).relative_to(folder).as_posix() for n in filenames
+                  if n not in _NOT_EXPORTED]
+    return sorted(found)
+
+
+def file_digests(folder: Path) -> dict[str, dict]:
+    """``{relative path: {"size", "sha256"}}`` of every file of an export folder (the marker,
+    ``__pycache__`` and ``.cache`` left out)."""
+    return {name: {"size": (folder / name).stat().st_size, "sha256": _sha256(folder / name)}
+            for name in _files(folder)}
+
+
+def verify_export(folder: str | os.PathLike) -> int:
+    """Check every file of export `folder` against the sizes and SHA-256 its marker recorded;
+    returns how many files match. `ExportError` (one line) names each file changed, missing or
+    added since the export, and the marker's absence or an export written before it recorded
+    hashes."""
+    folder = Path(folder)
+    marker_file = folder / MARKER
+    if not marker_file.is_file():
+        raise ExportError(f"{folder} is not an export: it has no {MARKER} (engram-export writes one)")
+    try:
+        recorded = json.loads(marker_file.read_text()).get("files")
+    except (ValueError, AttributeError) as err:
+        raise ExportError(f"{marker_file} is damaged ({err}): re-export the folder") from None
+    if not isinstance(recorded, dict):
+        raise ExportError(f"{marker_file} records no file hashes (written by an older engram-export): "
+                          "its files cannot be checked; re-export the folder to record them")
+    problems = []
+    for name, entry in sorted(recorded.items()):
+        path = folder / name
+        if not path.is_file():
+            problems.append(f"{name} missing")
+        elif path.stat().st_size != entry.get("size"):
+            problems.append(f"{name} changed ({path.stat().st_size} bytes, {entry.get('size')} recorded)")
+        elif (digest := _sha256(path)) != entry.get("sha256"):
+            problems.append(f"{name} changed (sha256 {digest[:12]}..., {str(entry.get('sha256'))[:12]}... "
+                            "recorded)")
+    problems += [f"{name} added" for name in _files(folder) if name not in recorded]
+    if problems:
+        raise ExportError(
+            f"export {folder} does not match the SHA-256 its {MARKER} recorded: "
+            + "; ".join(problems) + ". Do not load it (a changed modeling_*.py runs with "
+            "trust_remote_code=True): restore the files, or export the checkpoint again with --force")
+    return len(recorded)

@@ -23,6 +23,19 @@ class HFSourceError(EngramError, ValueError):
     """A folder this import cannot read; the message names the file or tensor."""
 
 
+def open_safetensors(path: Path):
+    """``safe_open(path)``; a file safetensors cannot read (truncated by an interrupted
+    download or copy, or not safetensors at all) raises `HFSourceError` naming it."""
+    try:
+        return safe_open(str(path), "pt")
+    except Exception as err:  # safetensors' SafetensorError (Rust), or an OSError
+        size = path.stat().st_size if path.is_file() else 0
+        raise HFSourceError(
+            f"{path} ({size} bytes) is truncated or damaged: safetensors cannot read it "
+            f"({str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}); "
+            "download or copy it again") from None
+
+
 class HFFolder:
     """Names and lazily read tensors of a transformers checkpoint folder."""
 
@@ -30,13 +43,18 @@ class HFFolder:
         self.folder = Path(folder)
         index = self.folder / "model.safetensors.index.json"
         if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (ValueError, KeyError, TypeError) as err:
+                raise HFSourceError(f"{index} is damaged or not a safetensors index ({err}): restore "
+                                    "it from the model's source") from None
             self.files = {k: self._inside(v, f"{index.name}: weight_map entry {k!r} -> {v!r}")
-                          for k, v in json.loads(index.read_text())["weight_map"].items()}  # fmt: skip
+                          for k, v in weight_map.items()}  # fmt: skip
         else:
             self.files = {}
             for path in sorted(self.folder.glob("*.safetensors")):
                 self._inside(path.name, f"weight file {path.name!r}")
-                with safe_open(str(path), "pt") as f:
+                with open_safetensors(path) as f:
                     self.files.update({k: path for k in f.keys()})
         if not self.files:
             raise HFSourceError(f"{self.folder} holds no safetensors weights")
@@ -72,7 +90,7 @@ class HFFolder:
         if path not in self._open:
             if not path.is_file():
                 raise HFSourceError(f"{path} is named by the index but missing")
-            self._open[path] = safe_open(str(path), "pt")
+            self._open[path] = open_safetensors(path)
         return self._open[path]
 
     def shape(self, name: str) -> tuple[int, ...]:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from engram_train.config import resolve
+from engram_train.config import check_known_keys, resolve
 from engram_train.errors import ConfigError  # noqa: F401  (re-exported: callers import it here)
 from engram_train.runtime.distributed import ParallelSizes
 
@@ -72,6 +72,7 @@ def validate_run_config(cfg, world_size: int, check_data: bool = True):
     checked here; the model's (megatron's and Engram's) by building its config.
     ``check_data=False`` skips the checks that read ``data.path`` and ``data.tokenizer`` (a
     layout checked on a machine that does not hold the data)."""
+    check_known_keys(cfg)  # `+train.foo=...` passes Hydra's composition
     p = parallel_sizes(cfg)
     try:
         p.validate(world_size)

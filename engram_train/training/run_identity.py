@@ -11,6 +11,11 @@ and the override that accepts the change:
   (``sparse_adam``, ``adam``: two moments per element, interchangeable) or ``rowwise``
   (``rowwise_adam``: a second moment per row). A checkpoint resumes only into the same layout;
   same override.
+- ``engram_table_storage``: the tables' dtype and whether a float32 master is saved beside
+  them (``engram_table_dtype``, ``engram_master_weights``). The saved keys and values follow
+  them (a bf16 table with a master saves ``optimizer.state.fp32_param``, an fp32 table is its
+  own master, a table without master saves rounded values only), so a change does not load
+  (or would round the values); same override.
 - ``model``: the backbone fields that decide parameter shapes. No override: a checkpoint's
   shapes cannot change.
 - the LR schedule (megatron's ``OptimizerParamScheduler`` state, saved in every checkpoint).
@@ -158,9 +163,17 @@ def optimizer_state_layout(config) -> str:
     return "rowwise" if getattr(config, "engram_optimizer", None) == "rowwise_adam" else "elementwise"
 
 
+def table_storage(config) -> dict:
+    """``{"dtype": engram_table_dtype, "master": bool}``: ``master`` when a float32 master of a
+    low-precision table is kept and saved (the optimizer's ``mixed_precision``)."""
+    dtype = str(getattr(config, "engram_table_dtype", "fp32"))
+    master = dtype != "fp32" and bool(getattr(config, "engram_master_weights", True))
+    return {"dtype": dtype, "master": master}
+
+
 def run_identity(config, padded_vocab_size: int, mapping=None) -> dict:
     """``{"model": ..., "use_engram": bool, "engram": ... or None, "engram_optimizer_state":
-    ... or None}`` for a manifest."""
+    ... or None, "engram_table_storage": ... or None}`` for a manifest."""
     use = bool(getattr(config, "use_engram", False))
     if use and mapping is None:
         raise ValueError("run_identity: an Engram run needs its NgramHashMapping")
@@ -169,6 +182,7 @@ def run_identity(config, padded_vocab_size: int, mapping=None) -> dict:
         "use_engram": use,
         "engram": engram_identity(config, mapping) if use else None,
         "engram_optimizer_state": optimizer_state_layout(config) if use else None,
+        "engram_table_storage": table_storage(config) if use else None,
     }
 
 
@@ -245,25 +259,63 @@ def check_run_identity(saved: Mapping | None, current: Mapping, *, load_engram: 
                 "keep the backbone and start Engram afresh"
             )
     if load_engram and was and now:
-        # checkpoints saved before layouts were recorded hold sparse_adam/adam state
-        old = saved.get("engram_optimizer_state") or "elementwise"
-        new = current.get("engram_optimizer_state")
-        if new is not None and old != new:
-            if "checkpoint.load_engram=false" not in overrides:
-                overrides.append("checkpoint.load_engram=false")
-            saved_as = ("rowwise_adam (a second moment per row)" if old == "rowwise" else
-                        "sparse_adam or adam (two moments per element)")
-            lines.append(
-                f"model.engram_optimizer: the checkpoint's table optimizer state is {old}, saved "
-                f"by {saved_as}; this run's is {new}. The moments do not convert: resume with "
-                f"model.engram_optimizer={'rowwise_adam' if old == 'rowwise' else 'sparse_adam'}, "
-                "or set checkpoint.load_engram=false to keep the backbone and start Engram afresh"
-            )
+        state = _table_state_changes(saved, current)
+        if state and "checkpoint.load_engram=false" not in overrides:
+            overrides.append("checkpoint.load_engram=false")
+        lines += state
     if lines:
         raise ResumeMismatchError(
             f"checkpoint {where} does not match this run:\n  - " + "\n  - ".join(lines),
             () if shape_changed else tuple(overrides),
         )
+
+
+def _table_state_changes(saved: Mapping, current: Mapping) -> list[str]:
+    """Lines for a table optimizer state layout or a table storage that changed (both Engram
+    runs, Engram loaded)."""
+    lines = []
+    # checkpoints saved before layouts were recorded hold sparse_adam/adam state
+    old = saved.get("engram_optimizer_state") or "elementwise"
+    new = current.get("engram_optimizer_state")
+    if new is not None and old != new:
+        saved_as = ("rowwise_adam (a second moment per row)" if old == "rowwise" else
+                    "sparse_adam or adam (two moments per element)")
+        lines.append(
+            f"model.engram_optimizer: the checkpoint's table optimizer state is {old}, saved "
+            f"by {saved_as}; this run's is {new}. The moments do not convert: resume with "
+            f"model.engram_optimizer={'rowwise_adam' if old == 'rowwise' else 'sparse_adam'}, "
+            "or set checkpoint.load_engram=false to keep the backbone and start Engram afresh"
+        )
+    storage = _storage_change(saved.get("engram_table_storage"), current.get("engram_table_storage"))
+    return lines + ([storage] if storage else [])
+
+
+def _describe_storage(storage: Mapping) -> str:
+    if storage["dtype"] == "fp32":
+        return "fp32 tables (their own master)"
+    return f"{storage['dtype']} tables " + ("with" if storage["master"] else "without") + " float32 master"
+
+
+def _storage_change(old: Mapping | None, new: Mapping | None) -> str | None:
+    """The line refusing a change of the tables' dtype or master (None: unchanged, or a
+    checkpoint saved before the storage was recorded)."""
+    if not old or not new or dict(old) == dict(new):
+        return None
+    # engram_master_weights as set: an fp32 table ignores it (true), a bf16 one keeps it iff true
+    want = bool(old["master"]) if old["dtype"] != "fp32" else True
+    have = bool(new["master"]) if new["dtype"] != "fp32" else True
+    settings = [f"model.engram_table_dtype={old['dtype']}"] if old["dtype"] != new["dtype"] else []
+    if want != have:
+        settings.append(f"model.engram_master_weights={str(want).lower()}")
+    if old["dtype"] != new["dtype"]:
+        shown = f"model.engram_table_dtype: {old['dtype']} in the checkpoint, {new['dtype']} here"
+    else:
+        shown = (f"model.engram_master_weights: {str(want).lower()} in the checkpoint, "
+                 f"{str(have).lower()} here")
+    return (f"{shown}. The checkpoint holds {_describe_storage(old)}, this run keeps "
+            f"{_describe_storage(new)}; the table state does not convert on load: resume with "
+            f"{' '.join(settings)} (the checkpoint's), or set checkpoint.load_engram=false to keep "
+            "the backbone and start Engram afresh")
 
 
 def check_schedule(
