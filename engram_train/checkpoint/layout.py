@@ -118,7 +118,8 @@ def remove_leftovers(root: str | os.PathLike) -> list[Path]:
         for path in sorted(root.iterdir()):
             if _LEFTOVER_DIR.match(path.name) and path.is_dir():
                 shutil.rmtree(path, ignore_errors=True)
-                removed.append(path)
+                if not path.exists():  # a read-only folder keeps it
+                    removed.append(path)
     return removed
 
 

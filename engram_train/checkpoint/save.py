@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -84,11 +85,13 @@ def save_checkpoint(
         )
     if check_space:
         check_free_space(root, space_estimate, f"save iteration {iteration}")
-    if rank == 0:
+
+    def start() -> None:
         for path in remove_leftovers(root):
             log.warning("removed %s, left by a failed or interrupted save", path)
         tmp.mkdir(parents=True)
-    dist.barrier()
+
+    _on_rank0(start, root, tmp, iteration)
     started = time.perf_counter()
     metadata = save_metadata()
     state = full_sharded_state_dict(model, optimizer and as_chain(optimizer), is_loading=False,
@@ -99,13 +102,7 @@ def save_checkpoint(
         dist_checkpointing.save(state, str(tmp), content_metadata=metadata)
     except (Exception, CheckpointException) as e:  # torch's CheckpointException is a BaseException
         no_space = is_no_space(e, root, tmp, checkpoint_bytes(root) or space_estimate)
-        shutil.rmtree(tmp, ignore_errors=True)
-        latest = read_tracker(root)
-        kept = (
-            f"The partial {tmp.name} was removed; the newest complete checkpoint is still "
-            f"{iteration_dir(root, latest).name}." if latest is not None
-            else f"The partial {tmp.name} was removed."
-        )
+        kept = _what_is_kept(root, tmp)
         if no_space:
             raise CheckpointSpaceError(
                 f"saving iteration {iteration} to {root} failed: no space left on device "
@@ -122,13 +119,54 @@ def save_checkpoint(
     unreadable = {n: d for n, d in file_digests.items() if isinstance(d, str)}
     if unreadable:
         raise CheckpointError(f"saving iteration {iteration}: cannot read back {unreadable}")
+    contents = ["model"] if optimizer is None else ["model", "optimizer"]
+    _on_rank0(lambda: _publish(root, tmp, final, iteration, file_digests, run_identity, contents),
+              root, tmp, iteration)  # fmt: skip
     if rank == 0:
-        _publish(root, tmp, final, iteration, file_digests, run_identity,
-                 contents=["model"] if optimizer is None else ["model", "optimizer"])
         size = sum(s for s, _ in file_digests.values())
         log.info("saved %s (%s, %.1f s)", final, gib(size), time.perf_counter() - started)
-    dist.barrier()
     return final
+
+
+def _what_is_kept(root: Path, tmp: Path) -> str:
+    """After a failed save: what became of its partial directory (removed here), and the
+    newest complete checkpoint (untouched)."""
+    partial = None
+    if tmp.is_dir():  # not a file in the way: that is no save's
+        shutil.rmtree(tmp, ignore_errors=True)
+        partial = (f"The partial {tmp.name} could not be removed (the next save removes it)"
+                   if tmp.exists() else f"The partial {tmp.name} was removed")  # fmt: skip
+    latest = read_tracker(root)
+    newest = None if latest is None else f"the newest complete checkpoint is still {iteration_dir(root, latest).name}"
+    said = "; ".join(part for part in (partial, newest) if part)
+    return f"{said[0].upper()}{said[1:]}." if said else ""
+
+
+def _on_rank0(step, root: Path, tmp: Path, iteration: int) -> None:
+    """Run rank 0's part of a save (``step``: its directory operations), then the same outcome
+    on every rank: an `OSError` there (the folder turned read-only, a file in the way) is a
+    `CheckpointError` on all of them, naming the path and the fix, and nothing older is touched.
+    Also the barrier that lets the other ranks go on once rank 0 is done."""
+    failure = None
+    if rank_world()[0] == 0:
+        try:
+            step()
+        except OSError as e:
+            where = e.filename or root
+            if isinstance(e, PermissionError) or e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+                fix = f"Make {root} writable for this user (or point checkpoint.save at a writable folder)"
+            elif isinstance(e, FileExistsError):
+                fix = f"Move {where} out of the way (a save writes a directory of that name)"
+            else:
+                fix = f"Fix {where} (or point checkpoint.save at another folder)"
+            kept = _what_is_kept(root, tmp)
+            failure = (f"saving iteration {iteration} to {root} failed: {e.strerror or e}: {where}. "
+                       f"{kept + ' ' if kept else ''}{fix}, then resume with checkpoint.load={root}")  # fmt: skip
+    holder = [failure]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(holder, src=0)
+    if holder[0] is not None:
+        raise CheckpointError(holder[0])
 
 
 def _publish(root: Path, tmp: Path, final: Path, iteration: int, file_digests: dict,
@@ -150,7 +188,12 @@ def _publish(root: Path, tmp: Path, final: Path, iteration: int, file_digests: d
     if final.exists():  # the same iteration saved again (e.g. after a fallback)
         shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
-    os.replace(tmp, final)
+    try:
+        os.replace(tmp, final)
+    except OSError:
+        if old.exists() and not final.exists():  # the earlier save of this iteration stays
+            os.replace(old, final)
+        raise
     fsync_dir(root)
     shutil.rmtree(old, ignore_errors=True)
     write_atomic(root / TRACKER, str(iteration))

@@ -2,7 +2,8 @@
 
 - `text_tokenizer`: `HFTokenizer`, megatron's tokenizer interface over a local ``tokenizer.json``.
 - `preprocess`: the ``engram-preprocess`` CLI, documents -> megatron ``.bin/.idx``.
-- `datasets`: `build_gpt_datasets`, train/valid/test ``GPTDataset``s from a blend of prefixes.
+- `datasets`: `build_gpt_datasets`, train/valid/test ``GPTDataset``s from a blend of prefixes
+  (`DatasetError`: a dataset that cannot be trained on, named with the fix).
 - `batches`: `MicroBatchIterator` (data-parallel split, resumable) and `HashPrefetchIterator`
   (Engram hash ids computed one micro-batch ahead on a CPU thread).
 
@@ -19,6 +20,8 @@ _EXPORTS = {
     "TokenizerNotFoundError": "text_tokenizer",
     "load_tokenizer": "text_tokenizer",
     "build_gpt_datasets": "datasets",
+    "DatasetError": "datasets",
+    "DatasetNotFoundError": "datasets",
     "ensure_dataset_helpers": "datasets",
     "DEMO_DATA_PREFIX": "datasets",
     "DEMO_TOKENIZER": "datasets",

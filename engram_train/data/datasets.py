@@ -37,6 +37,7 @@ import importlib.machinery
 import importlib.util
 import logging
 import os
+import struct
 import subprocess
 import sys
 import sysconfig
@@ -44,8 +45,9 @@ import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
-from engram_train.runtime.patches import DATASET_PATCHES, apply_patches, megatron_core_version
 from engram_train.engram.compressed_tokenizer import default_cache_dir
+from engram_train.errors import EngramError
+from engram_train.runtime.patches import DATASET_PATCHES, apply_patches, megatron_core_version
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +55,14 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 DEMO_DATA_PREFIX = str(REPO_ROOT / "examples" / "data" / "demo_text_document")
 """The shipped demo corpus (a source checkout; not part of an installed wheel)."""
 DEMO_TOKENIZER = str(REPO_ROOT / "examples" / "data" / "tokenizer")
+
+
+class DatasetError(EngramError, ValueError):
+    """A dataset that cannot be trained on as given; the message names its files and the fix."""
+
+
+class DatasetNotFoundError(DatasetError, FileNotFoundError):
+    """No ``.bin``/``.idx`` pair at a prefix of ``data.path``."""
 
 
 @contextlib.contextmanager
@@ -153,7 +163,7 @@ def parse_blend(data_path) -> tuple[list[str], list[float] | None]:
         return [os.fspath(p) for p in data_path], [float(w) for w in data_path.values()]
     items = list(data_path)
     if not items:
-        raise ValueError("data path: empty blend; give at least one dataset prefix.")
+        raise DatasetError("data path: empty blend; give at least one dataset prefix.")
     if all(isinstance(x, (tuple, list)) and len(x) == 2 for x in items):
         return [os.fspath(p) for _, p in items], [float(w) for w, _ in items]
 
@@ -169,49 +179,110 @@ def parse_blend(data_path) -> tuple[list[str], list[float] | None]:
     if len(items) % 2 == 0 and all(is_weight(w) for w in items[0::2]):
         return [os.fspath(p) for p in items[1::2]], [float(w) for w in items[0::2]]
     if any(is_weight(x) for x in items):
-        raise ValueError(
+        raise DatasetError(
             f"data path: cannot read blend {items!r}; give prefixes only, or weight/prefix pairs "
             "like [0.3, 'a_text_document', 0.7, 'b_text_document']."
         )
     return [os.fspath(p) for p in items], None
 
 
-def _check_blend(data_path, split: str, num_samples: list) -> tuple[list, list | None]:
-    """The blend's (prefixes, weights), each prefix present and every split with a share
-    given at least one of its documents (megatron-core 0.16.1 loops forever otherwise)."""
+def _document_lengths(prefix: str):
+    """The document lengths of the dataset at ``prefix``; a missing, empty or unreadable
+    ``.bin``/``.idx`` is a `DatasetError` naming the files (megatron would fail with ``cannot
+    mmap an empty file`` or an assertion)."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    files = f"{prefix}.bin and {prefix}.idx"
+    if not IndexedDataset.exists(prefix):
+        raise DatasetNotFoundError(
+            f"data path: no dataset at prefix '{prefix}' (needs {files}); create one with engram-preprocess."
+        )
+    sizes = {ext: os.path.getsize(prefix + ext) for ext in (".bin", ".idx")}
+    if not all(sizes.values()):
+        empty = " and ".join(f"{prefix}{ext}" for ext, size in sizes.items() if not size)
+        raise DatasetError(
+            f"data path: {empty} {'is' if ' and ' not in empty else 'are'} empty (0 bytes): no "
+            f"dataset to train on at '{prefix}'. Rebuild {files} with engram-preprocess from a "
+            "non-empty corpus, or drop the prefix from data.path."
+        )
+    problem = None
+    hook = sys.unraisablehook  # megatron's __del__ of a half-built reader raises: not the user's news
+    sys.unraisablehook = lambda _: None
+    try:
+        try:
+            dataset = IndexedDataset(prefix)
+            # a copy: the lengths are a view of the index's mmap, closed with `dataset`
+            return dataset.sequence_lengths.astype("int64")
+        except (ValueError, AssertionError, OSError, IndexError, struct.error) as e:
+            problem = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    finally:
+        sys.unraisablehook = hook
+    raise DatasetError(
+        f"data path: cannot read {files} ({problem}): they are damaged or not an indexed dataset; "
+        "rebuild them with engram-preprocess."
+    )
+
+
+def _check_blend(data_path, split: str, num_samples: list) -> tuple[list, list | None, dict]:
+    """The blend's (prefixes, weights, train tokens of each prefix), each prefix present and
+    readable and every split with a share given at least one of its documents (megatron-core
+    0.16.1 loops forever otherwise)."""
     from megatron.core.datasets.blended_megatron_dataset_config import (
         convert_split_vector_to_split_matrix,
         parse_and_normalize_split,
     )
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     try:
         shares = parse_and_normalize_split(split)
     except (AssertionError, ZeroDivisionError, ValueError):
-        raise ValueError(
+        raise DatasetError(
             f"split must be three non-negative shares like '949,50,1', got {split!r}."
         ) from None
     prefixes, weights = parse_blend(data_path)
+    train_tokens = {}
     for prefix in prefixes:
-        if not IndexedDataset.exists(prefix):
-            raise FileNotFoundError(
-                f"data path: no dataset at prefix '{prefix}' (needs {prefix}.bin and {prefix}.idx); "
-                "create one with engram-preprocess."
-            )
-        n_docs = len(IndexedDataset(prefix).sequence_lengths)
+        lengths = _document_lengths(prefix)
+        n_docs = len(lengths)
         for name, span in zip(
             ("train", "valid", "test"), convert_split_vector_to_split_matrix(shares)
         ):
-            if span is not None and int(round(span[1] * n_docs)) == int(round(span[0] * n_docs)):
-                raise ValueError(
-                    f"split {split!r} gives the {name} split no document of '{prefix}' "
+            if span is None:
+                continue
+            begin, end = int(round(span[0] * n_docs)), int(round(span[1] * n_docs))
+            if begin == end:
+                raise DatasetError(
+                    f"data.split={split!r} gives the {name} split no document of '{prefix}' "
                     f"({n_docs} documents); give that split a larger share, or 0 to drop it."
                 )
+            if name == "train":
+                train_tokens[prefix] = int(lengths[begin:end].sum())
     if weights is not None and any(
         share > 0 and n is None for share, n in zip(shares, num_samples)
     ):
-        raise ValueError("a weighted blend needs num_samples for every split with a nonzero share.")
-    return prefixes, weights
+        raise DatasetError("a weighted blend needs num_samples for every split with a nonzero share.")
+    return prefixes, weights, train_tokens
+
+
+def _warn_short_corpus(train_tokens: dict, seq_length: int, global_batch_size: int | None) -> None:
+    """Warn (once per prefix, on the first rank) when a prefix's train split is shorter than
+    one sample: every sample then holds the same few tokens over and over (megatron builds
+    samples across epochs), so the model learns to repeat them. Not refused: a tiny corpus is
+    legitimate for an overfitting check."""
+    per_sample = seq_length + 1  # a sample reads one token more than it trains on (labels)
+    for prefix, tokens in train_tokens.items():
+        if tokens >= per_sample:
+            continue
+        batch = ""
+        if global_batch_size:
+            batch = (f", and a global batch of {global_batch_size} samples "
+                     f"({global_batch_size * seq_length} tokens) sees them "
+                     f"~{global_batch_size * per_sample / tokens:.0f} times")  # fmt: skip
+        logger.warning(
+            "data.path: the train split of '%s' holds %d tokens, fewer than one sample of %d "
+            "(train.seq_length=%d + 1): each sample repeats those tokens ~%.1f times%s, so training "
+            "memorizes them. Use a larger corpus, a shorter train.seq_length, or a larger train "
+            "share of data.split", prefix, tokens, per_sample, seq_length, per_sample / tokens, batch,
+        )  # fmt: skip
 
 
 def build_gpt_datasets(
@@ -227,6 +298,7 @@ def build_gpt_datasets(
     reset_position_ids: bool = False,
     reset_attention_mask: bool = False,
     eod_mask_loss: bool = False,
+    global_batch_size: int | None = None,
 ):
     """Build the (train, valid, test) GPT datasets; a split with weight 0 comes back as None.
 
@@ -246,6 +318,11 @@ def build_gpt_datasets(
             each sample. Off by default: megatron's attention builds the causal mask itself.
         reset_position_ids, reset_attention_mask, eod_mask_loss: megatron's document-boundary
             options, off by default.
+        global_batch_size: samples per optimizer step, for the warning about a train split
+            shorter than one sample (`_warn_short_corpus`).
+
+    Raises `DatasetError` (`DatasetNotFoundError`: no files at a prefix) for a dataset that
+    cannot be trained on as given.
     """
     import torch
     from megatron.core.datasets.blended_megatron_dataset_builder import (
@@ -258,7 +335,10 @@ def build_gpt_datasets(
     num_samples = list(num_samples)
     if len(num_samples) != 3:
         raise ValueError(f"num_samples must be (train, valid, test), got {num_samples!r}.")
-    prefixes, weights = _check_blend(data_path, split, num_samples)
+    prefixes, weights, train_tokens = _check_blend(data_path, split, num_samples)
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if not distributed or torch.distributed.get_rank() == 0:
+        _warn_short_corpus(train_tokens, seq_length, global_batch_size)
 
     # megatron-core < 0.18 cannot build a weighted blend without a process group.
     apply_patches(DATASET_PATCHES)
@@ -279,7 +359,6 @@ def build_gpt_datasets(
     )
     builder = BlendedMegatronDatasetBuilder(GPTDataset, num_samples, lambda: True, config)
 
-    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     lock = (
         file_lock(cache / ".lock")
         if not distributed or torch.distributed.get_rank() == 0

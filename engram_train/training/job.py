@@ -3,6 +3,7 @@ rank, and the free space a checkpoint of the model needs."""
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,8 @@ from engram_train.training.faults import ExitSignalHandler, children_die_with_pa
 from engram_train.training.optimizer import build_optimizer
 from engram_train.training.plan import Plan, lr_scheduler
 from engram_train.training.run_config import data_parallel_size, parallel_sizes
+
+log = logging.getLogger("engram_train")
 
 
 @dataclass
@@ -98,7 +101,12 @@ def build(cfg: DictConfig, plan: Plan) -> Job:
         reset_position_ids=cfg.data.reset_position_ids,
         reset_attention_mask=cfg.data.reset_attention_mask,
         eod_mask_loss=cfg.data.eod_mask_loss,
+        global_batch_size=t.global_batch_size,
     )
+    if valid_ds is None and t.eval_iters and t.eval_interval and rank == 0:
+        log.info("data.split=%r has no validation share: this run validates neither every "
+                 "train.eval_interval=%d iterations nor at the end; give it one to validate, e.g. "
+                 "data.split=\"90,10,0\"", str(cfg.data.split), t.eval_interval)  # fmt: skip
 
     # Model, optimizer, schedule: megatron's DDP, optimizer and param scheduler.
     model_config = plan.model_config
