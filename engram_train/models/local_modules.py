@@ -6,10 +6,11 @@
 - ``RMSNorm``: megatron's ``WrappedTorchNorm`` refuses ``sequence_parallel`` (and MoE with
   TP > 1 requires it). This one marks its weight ``sequence_parallel`` so megatron's
   ``finalize_model_grads`` all-reduces its gradient over the TP group, as TE's norms do.
-- ``MLASelfAttention``: megatron's, with the KV down projection replicated over TP under
-  sequence parallelism (``ReplicatedLinear``, what TE's spec does with ``parallel_mode=
-  "duplicated"``) instead of a ``ColumnParallelLinear``; see its docstring for the gradient
-  the column-parallel form loses.
+- ``MLASelfAttention``: megatron's, with the KV down projection replicated over TP
+  (``ReplicatedLinear``, what TE's spec does with ``parallel_mode="duplicated"``) instead of a
+  ``ColumnParallelLinear``, and without sequence parallelism the RoPE key's gradient summed over
+  TP and the q-latent norm's gradient scaled for megatron's TP sum; see its docstring for the
+  gradients megatron's forms lose or double.
 """
 
 from __future__ import annotations
@@ -105,8 +106,39 @@ class SDPACoreAttention(MegatronModule):
         return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)
 
 
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; the gradient times ``scale`` backward."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
+class _SumGradOverGroup(torch.autograd.Function):
+    """Identity forward; the gradient summed over ``group`` backward. (megatron's
+    ``copy_to_tensor_model_parallel_region`` all-reduces ``grad.contiguous()`` and returns
+    ``grad``: a non-contiguous gradient, such as a slice's, comes back unsummed.)"""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
 class RMSNorm(torch.nn.Module):
-    """RMSNorm with megatron's norm constructor signature and sequence-parallel support."""
+    """RMSNorm with megatron's norm constructor signature and sequence-parallel support.
+    ``grad_scale`` (1 unless ``MLASelfAttention`` sets it) scales its weight's gradient."""
 
     def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_unused):
         super().__init__()
@@ -115,25 +147,35 @@ class RMSNorm(torch.nn.Module):
         self.eps = eps
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
         setattr(self.weight, "sequence_parallel", config.sequence_parallel)
+        self.grad_scale = 1.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x.float(), self.weight.shape, self.weight.float(), self.eps).to(x.dtype)
+        weight = self.weight if self.grad_scale == 1.0 else _ScaleGrad.apply(self.weight, self.grad_scale)
+        return F.rms_norm(x.float(), weight.shape, weight.float(), self.eps).to(x.dtype)
 
 
 class ReplicatedLinear(MegatronModule):
     """``y = x W^T`` with W whole on every TP rank, megatron's linear call convention
     (``(output, None)``). Under sequence parallelism each rank applies it to its own tokens, so
-    W carries ``sequence_parallel`` and megatron sums its gradient over TP. Checkpoints see the
-    same tensor as the column-parallel layer's (same key, same global shape), replicated."""
+    W carries ``sequence_parallel`` and megatron sums its gradient over TP. ``sum_last=n``: the
+    last ``n`` outputs' gradient is summed over ``tp_group`` in backward (outputs whose
+    consumers are split over TP, on tokens every rank holds whole). Checkpoints see the same
+    tensor as the column-parallel layer's (same key, same global shape), replicated."""
 
-    def __init__(self, config: TransformerConfig, weight: torch.Tensor):
+    def __init__(self, config: TransformerConfig, weight: torch.Tensor, tp_group=None,
+                 sum_last: int = 0):
         super().__init__(config=config)
         self.weight = torch.nn.Parameter(weight)
         setattr(self.weight, "sequence_parallel", config.sequence_parallel)
         setattr(self.weight, "tensor_model_parallel", False)
+        self.tp_group, self.sum_last = tp_group, sum_last
 
     def forward(self, x: torch.Tensor):
-        return F.linear(x, self.weight), None
+        y = F.linear(x, self.weight)
+        if self.sum_last:
+            head, tail = y.split([y.shape[-1] - self.sum_last, self.sum_last], dim=-1)
+            y = torch.cat([head, _SumGradOverGroup.apply(tail, self.tp_group)], dim=-1)
+        return y, None
 
     def get_extra_state(self) -> None:  # the column-parallel layer's empty ``_extra_state``
         return None
@@ -147,9 +189,9 @@ class ReplicatedLinear(MegatronModule):
 
 
 class MLASelfAttention(MegatronMLASelfAttention):
-    """megatron's MLA self-attention whose KV down projection, under TP with sequence
-    parallelism, is one ``ReplicatedLinear`` on this rank's tokens (the branch megatron takes for
-    TE's duplicated linear) rather than a ``ColumnParallelLinear``.
+    """megatron's MLA self-attention whose KV down projection, under TP, is one
+    ``ReplicatedLinear`` (the branch megatron takes for TE's duplicated linear) rather than a
+    ``ColumnParallelLinear``.
 
     Why: with the column-parallel layer megatron-core (0.16.1, 0.19.2,
     ``get_query_key_value_tensors``) gathers its output over TP and splits the gradient back.
@@ -158,7 +200,16 @@ class MLASelfAttention(MegatronMLASelfAttention):
     rank's part only. The down projection's weight and the layer's input then miss the other
     ranks' share (measured: the first gradients of ``linear_kv_down_proj`` and the input norms
     differ by 5e-3 between TP2 + SP and one rank). On the replicated path megatron gathers
-    ``k_pos_emb`` over the sequence, whose backward (a reduce-scatter) sums those parts.
+    ``k_pos_emb`` over the sequence under sequence parallelism, whose backward (a
+    reduce-scatter) sums those parts. Without sequence parallelism megatron gathers nothing
+    there, so the projection sums the RoPE key's gradient over TP itself (``sum_last``); the
+    latent's own gradient is already whole on every rank (the up projections' input
+    all-reduce), and so is the weight's, which megatron then leaves alone.
+
+    Also without sequence parallelism: megatron's ``finalize_model_grads`` sums every
+    ``q_layernorm`` gradient over TP (with ``qk_layernorm``), right for a sequence-split latent
+    but double for the q latent every TP rank holds whole; its norm's gradient is scaled by
+    ``1/TP`` so the sum is the gradient (``kv_layernorm`` is not summed by megatron).
     Only ``__init__`` is extended: the projection is swapped once megatron has built it (its
     weight gathered from the column-parallel shards, so the values are those megatron
     initialized)."""
@@ -167,8 +218,20 @@ class MLASelfAttention(MegatronMLASelfAttention):
         super().__init__(config, submodules, *args, **kwargs)
         projection = self.linear_kv_down_proj
         group = getattr(projection, "tp_group", None)
-        if (config.sequence_parallel and group is not None and group.size() > 1
-                and getattr(projection.weight, "tensor_model_parallel", False)):
-            shards = [torch.empty_like(projection.weight) for _ in range(group.size())]
-            dist.all_gather(shards, projection.weight.detach().contiguous(), group=group)
-            self.linear_kv_down_proj = ReplicatedLinear(config, torch.cat(shards, dim=0))
+        if (group is None or group.size() == 1
+                or not getattr(projection.weight, "tensor_model_parallel", False)):
+            return
+        shards = [torch.empty_like(projection.weight) for _ in range(group.size())]
+        dist.all_gather(shards, projection.weight.detach().contiguous(), group=group)
+        whole_tokens = not config.sequence_parallel
+        self.linear_kv_down_proj = ReplicatedLinear(
+            config, torch.cat(shards, dim=0), tp_group=group,
+            sum_last=config.qk_pos_emb_head_dim if whole_tokens else 0)
+        norm = getattr(self, "q_layernorm", None)
+        if whole_tokens and config.qk_layernorm and norm is not None and list(norm.parameters()):
+            if not isinstance(norm, RMSNorm):
+                raise ValueError(
+                    f"tensor parallelism without sequence parallelism needs the local RMSNorm as "
+                    f"MLA's q_layernorm (got {type(norm).__name__}): megatron sums its gradient "
+                    "over the tensor-parallel group")
+            norm.grad_scale = 1.0 / group.size()

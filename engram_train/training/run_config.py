@@ -142,17 +142,16 @@ def validate_run_config(cfg, world_size: int, check_data: bool = True):
             "system.sequence_parallel: true (or auto)"
         )
     if p.tensor > 1 and not sequence_parallel(cfg):
-        # MLA (every backbone here): the decoupled RoPE key is shared by all heads, so its
-        # gradient is partial on each TP rank, and only megatron's sequence-parallel gather sums
-        # it (docs/megatron-versions.md); and megatron sums every q_layernorm gradient over TP,
-        # which doubles the replicated latent norm's without sequence parallelism.
-        raise ConfigError(
-            "system.tensor_model_parallel_size > 1 needs system.sequence_parallel: true (or "
-            "auto) with MLA: without it megatron-core leaves the RoPE key's gradient partial "
-            "on each tensor-parallel rank"
-            + (" and sums the replicated q-latent norm's gradient (model.qk_layernorm=true) "
-               "over the tensor-parallel group" if backbone["qk_layernorm"] else "")
-        )
+        # MLA: the RoPE key, shared by all heads, gets a partial gradient on each TP rank. The
+        # local spec's MLASelfAttention sums it over TP (and scales the q-latent norm's gradient
+        # for megatron's TP sum); TE's spec does neither (docs/megatron-versions.md, item 8).
+        from engram_train.models.specs import use_transformer_engine
+
+        if use_transformer_engine():
+            raise ConfigError(
+                "system.tensor_model_parallel_size > 1 needs system.sequence_parallel: true (or "
+                "auto) with Transformer Engine's MLA: without it megatron-core leaves the RoPE "
+                "key's gradient partial on each tensor-parallel rank")
     if backbone["num_moe_experts"] and m.num_moe_experts % p.expert:
         raise ConfigError(
             f"model.num_moe_experts={m.num_moe_experts} must be divisible by "

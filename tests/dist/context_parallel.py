@@ -8,7 +8,9 @@ part ``core`` (every lane):
   gathered;
 - the demo-like model with Engram for 6 optimizer steps: DP4 (the CP1 reference), CP2 x DP2,
   CP2 x TP2 (SP), CP4, TP2 with SP (with its per-rank lookup counts), and checkpoints
-  across CP (CP2 x TP2 -> CP1 and CP1 -> CP2 continue the same losses);
+  across CP (CP2 x TP2 -> CP1 and CP1 -> CP2 continue the same losses); its dense variant
+  (megatron refuses MoE under TP without SP) on DP4 and on TP2 without SP, first gradients
+  and losses;
 part ``more``: CP2 with PP2, full recompute, eps 2 + host tables + prefetch, the allreduce
 method under CP2 x TP2 (SP), bf16, EOS reset, the mHC backbone, TP4 with SP.
 """
@@ -48,6 +50,8 @@ SAVE_AFTER = 3
 FULL_RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform",
                       recompute_num_layers=1)
 BF16 = dict(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)
+DENSE = dict(num_moe_experts=None, moe_ffn_hidden_size=None,
+             moe_shared_expert_intermediate_size=None)
 # name, ParallelSizes, sequence parallel, config overrides, distributed optimizer
 CORE = [
     ("dp4", ParallelSizes(), False, {}, False),
@@ -55,6 +59,8 @@ CORE = [
     ("cp2_tp2sp", ParallelSizes(context=2, tensor=2), True, {}, False),
     ("cp4", ParallelSizes(context=4), False, {}, False),
     ("tp2sp", ParallelSizes(tensor=2), True, {}, False),
+    ("dp4_dense", ParallelSizes(), False, DENSE, False),
+    ("tp2", ParallelSizes(tensor=2), False, DENSE, False),
 ]
 MORE = [
     ("dp4", ParallelSizes(), False, {}, False),
@@ -73,6 +79,15 @@ MORE = [
     ("cp2_mhc", ParallelSizes(context=2), False, dict(enable_hyper_connections=True), False),
 ]
 EOS = dict(engram_reset_at_eos=True, engram_eos_id=5)
+# The checkpoint every layout of a model variant starts from (its first layout is the
+# first-gradient reference of the others).
+BASES = {"base": {}, "base_dense": DENSE, "base_mhc": dict(enable_hyper_connections=True)}
+
+
+def base_of(overrides: dict) -> str:
+    if overrides.get("enable_hyper_connections"):
+        return "base_mhc"
+    return "base_dense" if "num_moe_experts" in overrides else "base"
 
 
 def init(layout: ParallelSizes, seed=1):
@@ -184,21 +199,17 @@ def first_gradients(model, config) -> dict:
 
 
 def run_layouts(result, layouts, root: Path, checkpoints: bool):
-    init(ParallelSizes(), seed=11)
-    save_checkpoint(root / "base", 0, build(model_config(ParallelSizes())))
-    if any("mhc" in name for name, *_ in layouts):
+    for base in sorted({base_of(overrides) for _, _, _, overrides, _ in layouts}):
         init(ParallelSizes(), seed=11)
-        save_checkpoint(root / "base_mhc", 0, build(model_config(
-            ParallelSizes(), enable_hyper_connections=True)))
-    reference = None
+        save_checkpoint(root / base, 0, build(model_config(ParallelSizes(), **BASES[base])))
+    references = {}
     for name, layout, sp, overrides, distopt in layouts:
         model, optimizer = setup(layout, sp, overrides, distopt, seed=21)
-        load_checkpoint(root / ("base_mhc" if "mhc" in name else "base"), model)
+        load_checkpoint(root / base_of(overrides), model)
         if checkpoints:  # every layout alike: the pass moves the routers' expert bias
             grads = first_gradients(model, model_config(layout, sp, **overrides))
-            if reference is None:
-                reference = grads
-            else:
+            reference = references.setdefault(base_of(overrides), grads)
+            if reference is not grads:
                 result[f"{name}_first_gradients"] = {
                     n: ((g - grads[n]).norm() / g.norm().clamp_min(1e-30)).item()
                     if n in grads and grads[n].shape == g.shape else None
