@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from launch import REPO
+from launch import REPO, run_process
 from memory_calibration_cases import CASES, RUN, torchrun_calibration
 
 TOLERANCE = 0.20
@@ -19,7 +19,7 @@ GIB = 1 << 30
 
 def plan_cli(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, "-m", "engram_train.memory_plan", *argv], cwd=REPO,
+    proc = run_process([sys.executable, "-m", "engram_train.memory_plan", *argv], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=300)
     if check:
         assert proc.returncode == 0, proc.stderr[-3000:]
@@ -104,7 +104,8 @@ def test_engram_table_bytes_by_option(one_rank):
     host = plan_of(["model.engram_table_placement=host"], device="cuda", device_memory=GIB).ranks[0]
     assert {m for n, m, _, _ in host.items if n.startswith("engram_table")} == {"host"}
     dense = plan_of(["model.engram_optimizer=adam"]).ranks[0]
-    assert item(dense, "engram_table_step") == 8 * elements  # a dense float32 gradient + Adam's
+    # a dense float32 gradient + AdamW's measured temporaries
+    assert item(dense, "engram_table_step") == int(12.5 * elements)
     # the 4-byte configuration: bf16 value, no master, bf16 first moment, one float32 per row
     # of 16 (the demo's row width): 2 + 0 + 2 + 4/16 bytes per element
     four = plan_of(["model.engram_table_dtype=bf16", "model.engram_optimizer=rowwise_adam",
@@ -142,6 +143,32 @@ def test_recompute_and_pipeline_in_flight(one_rank):
 
     assert in_flight_chunks(0, pp.layout)[0] == 2 and in_flight_chunks(1, pp.layout)[0] == 1
     assert item(first, "logits_and_loss") == 0 and item(last, "logits_and_loss") > 0
+
+
+def test_fits_keeps_the_measured_margin(one_rank):
+    """yes only with the margin; tight between the prediction and the prediction plus margin."""
+    from engram_train.memory_plan.report import FIT_MARGIN
+
+    plan = plan_of([])
+    need = plan.host_bytes_per_node
+    for memory, verdict in ((need - 1, "no"), (need, "tight"),
+                            (int(need * (1 + FIT_MARGIN)) + 1, "yes")):
+        plan.host_memory = memory
+        assert plan.verdict == verdict and plan.fits == (verdict == "yes")
+    assert "fits: yes" in plan.to_text() and plan.to_json()["fits_verdict"] == "yes"
+    plan.host_memory = need
+    assert "fits: tight" in plan.to_text() and plan.to_json()["fits"] is False
+
+
+def test_cpu_attention_scores_are_float32(one_rank):
+    """The SDPA math path keeps float32 scores in bf16 too, plus one layer's transients."""
+    from engram_train.memory_plan.activations import SCORE_TRANSIENTS
+
+    fp32, bf16 = (plan_of([f"system.precision={p}"]).ranks[0] for p in ("fp32", "bf16"))
+    per_layer = 2 * 4 * 128 * 128 * 4  # b x heads x s x s float32
+    for r in (fp32, bf16):
+        assert item(r, "attention_scores (unfused)") == 4 * per_layer
+        assert item(r, "attention_score_transients") == int(SCORE_TRANSIENTS * per_layer)
 
 
 def test_parse_bytes():

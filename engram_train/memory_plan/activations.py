@@ -64,10 +64,19 @@ def dense_mlp_per_token(config, w: Widths, a: int) -> int:
     return a * (w.h + w.h_full + SWIGLU_SAVED * f)
 
 
+# torch's SDPA math path on the CPU computes in float32 whatever the activation dtype and saves
+# the probabilities, one float32 [b, heads, s, s] per layer; while one layer runs (its forward:
+# scores, masked scores, probabilities; its backward: the probabilities' gradient and the
+# softmax's) it holds 2.3-2.75 more of them (measured: benchmarks/measure_memory_plan.py
+# --scores, 1 and 4 layers, fp32 and bf16, s 1024 and 2048).
+SCORE_TRANSIENTS = 2.75
+
+
 def attention_scores_per_layer(config, layout: Layout, a: int, device: str) -> int:
-    """The attention probabilities of one layer, where attention is not fused: torch's SDPA on
-    the CPU takes its math path when the q/k and v head dims differ (MLA) or with dropout, and
-    saves ``[b, heads, s, s]``. Fused kernels (flash, Transformer Engine on the GPU) save none."""
+    """The attention probabilities one layer saves, where attention is not fused: torch's SDPA
+    on the CPU takes its math path when the q/k and v head dims differ (MLA) or with dropout,
+    and saves ``[b, heads, s, s]`` in float32 (``a`` does not matter: the math path upcasts).
+    Fused kernels (flash, Transformer Engine on the GPU) save none."""
     if device != "cpu":
         return 0
     qk = (config.qk_head_dim + config.qk_pos_emb_head_dim) if getattr(config, "kv_lora_rank", None) \
@@ -77,7 +86,7 @@ def attention_scores_per_layer(config, layout: Layout, a: int, device: str) -> i
         return 0
     heads = config.num_attention_heads // layout.tp
     s = layout.seq_length // layout.cp
-    return layout.micro_batch_size * heads * s * layout.seq_length * a
+    return layout.micro_batch_size * heads * s * layout.seq_length * 4
 
 
 def moe_per_token(config, w: Widths, a: int) -> int:
@@ -187,8 +196,10 @@ def stage_activations(config, layout: Layout, stage: int, layers: list[int], a: 
     scale = chunks / per_chunk if layout.vpp else chunks
     items = {k: int(v * scale) for k, v in items.items()}
     one_layer = max((sum(p.values()) for p in per_layer), default=0) * t
-    one_layer += attention_scores_per_layer(config, layout, a, device)
     items["backward_working_set"] = one_layer * (2 if full else 1)
+    scores = attention_scores_per_layer(config, layout, a, device)
+    if scores:  # one layer's float32 score transients (plus its saved ones under full recompute)
+        items["attention_score_transients"] = int(scores * (SCORE_TRANSIENTS + (1 if full else 0)))
     if stage == 0:
         items["embedding_output"] = t * a * n * w.h * chunks
     if stage == layout.pp - 1:

@@ -1,0 +1,200 @@
+"""engram-plan against measured peak RSS on configurations the plan was not calibrated on.
+
+    python benchmarks/measure_memory_plan.py OUT.json [--cases NAME,NAME] [--set held_out|calibration|all]
+
+Runs the trainer (3 steps, the trainer's defaults otherwise: hash prefetch on, the data
+loader as configured) through ``tests/dist/memory_calibration.py`` for every case, reads each
+rank's peak RSS (``getrusage``), asks ``engram-plan --json`` for the same overrides with the
+measured process baseline, and writes predicted / measured per rank, the ratio and the plan's
+``fits`` verdict for ``--host-memory`` = the measured peak (a "yes" there must be a
+``tight``/``NO``, never a yes below the peak). docs/memory.md quotes its table.
+
+``HELD_OUT`` are the configurations of the error table (never used to set a constant);
+``CALIBRATION`` are the new configurations the items were measured on (ablations: the same
+run with one option changed, so that the difference is that item's bytes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+
+from memory_calibration_cases import torchrun_calibration  # noqa: E402
+
+RUN = ("train.train_iters=3", "train.eval_interval=null", "train.log_interval=1",
+       "train.lr_warmup_iters=0")
+MHC_H512 = ("model=deepseek_v3_tiny_mhc", "system.precision=bf16", "model.hidden_size=512",
+            "model.num_attention_heads=8", "train.seq_length=2048", "train.micro_batch_size=1",
+            "train.global_batch_size=1")
+
+# name: (processes, overrides)
+HELD_OUT = {
+    "host_rowwise_s512": (1, ("model.engram_table_placement=host", "model.engram_optimizer=rowwise_adam",
+                              "train.seq_length=512")),
+    "mhc_bf16_h512_s2048": (1, MHC_H512),
+    "mhc_host_s1024": (1, ("model=deepseek_v3_tiny_mhc", "model.engram_table_placement=host",
+                           "train.seq_length=1024")),
+    "tp2_sp_eps2_s1024": (2, ("system.tensor_model_parallel_size=2", "system.sequence_parallel=true",
+                              "model.engram_embedding_parallel_size=2", "train.seq_length=1024",
+                              "train.global_batch_size=4")),
+    "adam_bf16_tables_s768": (1, ("model.engram_optimizer=adam", "model.engram_table_dtype=bf16",
+                                  "model.engram_vocab_size=[200003,200003]", "train.seq_length=768")),
+    "pp2_host_bf16_s512": (2, ("system.pipeline_model_parallel_size=2", "system.precision=bf16",
+                               "model.engram_table_placement=host", "train.seq_length=512",
+                               "train.global_batch_size=8")),
+}
+
+CALIBRATION = {
+    # attention scores: the default model at 512 and 1024 (the difference is s^2 terms)
+    "dense_s512": (1, ("model.use_engram=false", "train.seq_length=512")),
+    "dense_s1024": (1, ("model.use_engram=false", "train.seq_length=1024")),
+    # host tables: device vs host, overlapped update on/off
+    "device_s512": (1, ("train.seq_length=512",)),
+    "host_s512": (1, ("model.engram_table_placement=host", "train.seq_length=512")),
+    "host_s512_no_overlap": (1, ("model.engram_table_placement=host", "train.seq_length=512",
+                                 "model.engram_overlap_host_update=false")),
+    "host_s512_no_prefetch": (1, ("model.engram_table_placement=host", "train.seq_length=512",
+                                  "data.hash_prefetch=false")),
+    # mHC at hidden 512: on vs off
+    "h512_s2048_no_mhc": (1, (*MHC_H512, "model.enable_hyper_connections=false")),
+    "h512_s1024_mhc": (1, (*MHC_H512[:-3], "train.seq_length=1024", "train.micro_batch_size=1",
+                           "train.global_batch_size=1")),
+}
+
+
+def plan(overrides: list[str], nproc: int, baseline: int) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "-m", "engram_train.memory_plan", *overrides, "--json",
+                           "--nproc-per-node", str(nproc), "--cpu-baseline", str(baseline)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode:
+        raise RuntimeError(proc.stderr[-2000:])
+    return json.loads(proc.stdout)
+
+
+def verdict(overrides: list[str], nproc: int, baseline: int, host_memory: int) -> str:
+    """The plan's ``fits`` with exactly the measured peak per node as the host memory."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "-m", "engram_train.memory_plan", *overrides,
+                           "--nproc-per-node", str(nproc), "--cpu-baseline", str(baseline),
+                           "--host-memory", str(host_memory)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    return next((line for line in proc.stdout.splitlines() if line.startswith("fits:")), proc.stderr[-300:])
+
+
+def measure(name: str, nproc: int, overrides: tuple[str, ...], root: Path, baseline: int) -> dict:
+    ovr = [*RUN, *overrides]
+    start = time.time()
+    ranks = torchrun_calibration(nproc, root / name, ovr)
+    p = plan(ovr, nproc, baseline)
+    out = {"nproc": nproc, "overrides": list(overrides), "seconds": round(time.time() - start), "ranks": []}
+    for r in ranks:
+        stage = p["breakdown"][f"stage{r['pipeline_rank']}"]
+        predicted = stage["device_bytes"] + stage["host_bytes"]
+        out["ranks"].append({"stage": r["pipeline_rank"], "predicted_mib": round(predicted / 2**20),
+                             "measured_mib": round(r["peak_rss"] / 2**20),
+                             "ratio": round(predicted / r["peak_rss"], 3)})
+    peak_node = sum(r["peak_rss"] for r in ranks) if nproc > 1 else ranks[0]["peak_rss"]
+    out["fits_at_measured_peak"] = verdict(ovr, nproc, baseline, peak_node)
+    out["items_stage0"] = {k: round(v["bytes"] / 2**20, 1) for k, v in p["breakdown"]["stage0"]["items"].items()}
+    return out
+
+
+def scores(b: int, heads: int, s: int, dtype: str, layers: int) -> dict:
+    """torch SDPA's CPU math path (MLA: q/k head dim 24, v 16) on ``layers`` chained calls:
+    unique saved bytes per layer and the peak RSS over the saved ones, in float32
+    ``[b, heads, s, s]`` units (activations.SCORE_TRANSIENTS)."""
+    import resource
+
+    import torch
+    import torch.nn.functional as F
+
+    def rss() -> int:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    dt = getattr(torch, dtype)
+    x = torch.randn(b, heads, s, 24, dtype=dt, requires_grad=True)
+    y = torch.randn(b, heads, s, 16, dtype=dt, requires_grad=True)
+    start = rss()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        for _ in range(layers):
+            y = F.scaled_dot_product_attention(x * 1.0, x * 1.0, y, is_causal=True)
+    y.sum().backward()
+    unit = b * heads * s * s * 4
+    saved = sum(seen.values())
+    return {"saved_per_layer": round(saved / layers / unit, 2),
+            "transients": round((rss() - start - saved) / unit, 2)}
+
+
+def replan(out_path: Path) -> None:
+    """Predict again (the current plan) for every measured case of ``out_path``."""
+    results = json.loads(out_path.read_text())
+    for name, case in results.items():
+        if not isinstance(case, dict) or "ranks" not in case:
+            continue
+        ovr = [*RUN, *case["overrides"]]
+        p = plan(ovr, case["nproc"], results["baseline"])
+        for r in case["ranks"]:
+            stage = p["breakdown"][f"stage{r['stage']}"]
+            predicted = stage["device_bytes"] + stage["host_bytes"]
+            r["predicted_mib"] = round(predicted / 2**20)
+            r["ratio"] = round(r["predicted_mib"] / r["measured_mib"], 3)
+        peak_node = sum(r["measured_mib"] for r in case["ranks"]) * 2**20
+        case["fits_at_measured_peak"] = verdict(ovr, case["nproc"], results["baseline"], peak_node)
+        case["items_stage0"] = {k: round(v["bytes"] / 2**20, 1) for k, v in p["breakdown"]["stage0"]["items"].items()}
+        print(name, json.dumps({k: v for k, v in case.items() if k != "items_stage0"}), flush=True)
+    out_path.write_text(json.dumps(results, indent=1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--replan", action="store_true", help="predict again, measure nothing")
+    parser.add_argument("--scores", action="store_true", help="measure SDPA's CPU score transients")
+    parser.add_argument("--set", default="held_out", choices=("held_out", "calibration", "all"))
+    parser.add_argument("--cases", default="", help="comma-separated subset")
+    parser.add_argument("--baseline", type=int, default=None, help="bytes (default: measure)")
+    args = parser.parse_args()
+    if args.replan:
+        return replan(Path(args.out))
+    if args.scores:
+        rows = {f"{dt} s{s} L{n}": scores(1, 8, s, dt, n) for dt in ("float32", "bfloat16")
+                for s in (1024, 2048) for n in (1, 4)}
+        print(json.dumps(rows, indent=1))
+        return Path(args.out).write_text(json.dumps(rows, indent=1))
+    cases = {**(HELD_OUT if args.set != "calibration" else {}), **(CALIBRATION if args.set != "held_out" else {})}
+    if args.cases:
+        cases = {k: v for k, v in cases.items() if k in args.cases.split(",")}
+    root = Path(args.out).with_suffix("")
+    out_path = Path(args.out)
+    results = json.loads(out_path.read_text()) if out_path.exists() else {}
+    baseline = args.baseline or results.get("baseline")
+    if not baseline:
+        runs = torchrun_calibration(2, root / "baseline", [*RUN, "train.global_batch_size=4"], baseline=True)
+        baseline = max(r["peak_rss"] for r in runs)
+    results["baseline"] = baseline
+    for name, (nproc, overrides) in cases.items():
+        try:
+            results[name] = measure(name, nproc, overrides, root, baseline)
+        except (AssertionError, RuntimeError) as e:
+            results[name] = {"error": str(e)[-2000:]}
+        print(name, json.dumps({k: v for k, v in results[name].items() if k != "items_stage0"}), flush=True)
+        out_path.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
