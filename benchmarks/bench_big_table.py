@@ -14,17 +14,25 @@ Reported (JSON, and a summary on stdout):
   materialising its optimizer state, as after a long run, minus RSS before), over its table
   parameters (the rest of the model counts against it too); and the accounting's value;
 - ``peak_rss_gib``, ``init_s`` (build + state), median step time of each model and their
-  ratio, the host update's total time per step and its critical-path part, swap used.
+  ratio, the host update's total time per step and its critical-path part, swap used;
+- with ``--checkpoint-peaks DIR``, after training: the peak RSS of saving the big model's
+  checkpoint (model + optimizer) into DIR and of loading it back in place, as a resume does,
+  each against the steady-state RSS just before (``checkpoint_peaks``: GiB, and bytes per
+  table parameter beyond steady state). The peak is the kernel's ``VmHWM``, reset before each
+  phase (``/proc/self/clear_refs``). DIR is removed afterwards.
 
     python benchmarks/bench_big_table.py [--params 3e9] [--rounds 2] [--steps-per-round 5]
+        [--checkpoint-peaks DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import os
 import resource
+import shutil
 import statistics
 import time
 from pathlib import Path
@@ -44,6 +52,47 @@ SEQ, MICRO, NUM_MICRO = 128, 2, 4
 def rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
+def reset_peak_rss() -> None:
+    with open("/proc/self/clear_refs", "w") as f:  # "5": VmHWM back to the current RSS
+        f.write("5")
+
+
+def checkpoint_peaks(model, optimizer, num_params: int, directory: Path) -> dict:
+    """Peak RSS of saving ``model`` and ``optimizer`` into ``directory`` and of loading it
+    back in place (a resume), each beyond the steady-state RSS before it."""
+    from engram_train.checkpoint import load_checkpoint_dir, save_checkpoint
+
+    shutil.rmtree(directory, ignore_errors=True)
+    out = {}
+    try:
+        for phase in ("save", "resume"):
+            gc.collect()
+            steady = rss_bytes()
+            reset_peak_rss()
+            start = time.perf_counter()
+            if phase == "save":
+                path = save_checkpoint(directory, 1, model, optimizer, check_space=False)
+            else:
+                load_checkpoint_dir(path, model, optimizer)
+            peak = peak_rss_bytes()
+            out[phase] = dict(steady_rss_gib=steady / 2**30, peak_rss_gib=peak / 2**30,
+                              beyond_steady_gib=(peak - steady) / 2**30,
+                              beyond_steady_bytes_per_param=(peak - steady) / num_params,
+                              after_rss_gib=rss_bytes() / 2**30,
+                              seconds=time.perf_counter() - start)
+            print(f"{phase}: steady {steady / 2**30:.2f} GiB, peak {peak / 2**30:.2f} GiB, "
+                  f"+{(peak - steady) / num_params:.3f} B/param, {out[phase]['seconds']:.0f} s",
+                  flush=True)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    return out
 
 
 def swap_used_bytes() -> int:
@@ -129,6 +178,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps-per-round", type=int, default=5)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--checkpoint-peaks", type=Path, default=None, metavar="DIR",
+                        help="also measure peak RSS at save and resume (DIR removed after)")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -179,6 +230,10 @@ def main() -> None:
         swap_used_gib=swap_used_bytes() / 2**30, rounds=args.rounds,
         steps_per_round=args.steps_per_round,
     )
+    if args.checkpoint_peaks is not None:
+        model, optimizer = big[0], big[1]
+        result["checkpoint_peaks"] = checkpoint_peaks(model, optimizer, big[3],
+                                                      args.checkpoint_peaks)
     print(f"step median x1 {median['x1'] * 1000:.0f} ms, big {median['big'] * 1000:.0f} ms "
           f"(ratio {result['step_ratio_big_over_x1']:.3f}); host update per step: total "
           f"{statistics.median(update['big']) * 1000:.1f} ms, critical path "

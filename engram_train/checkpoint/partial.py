@@ -85,6 +85,22 @@ def _positional_request(ckpt: Path, model, parts: list, is_engram) -> tuple[bool
     return chained, fresh, request
 
 
+def _engram_in_megatron_optimizer(model) -> dict[str, torch.Tensor]:
+    """{sharded key: tensor} of Engram's tensors that megatron's optimizer steps: those its
+    dummy step before a load can change. The tables are hidden from it (the Engram table
+    optimizer steps them): they are left out, so no copy of a (host-resident) table is made."""
+    from engram_train.models.table_params import engram_table_params
+
+    tables = {p.data_ptr() for p in engram_table_params(model)}
+    return {
+        sh.key: sh.data
+        for chunk in model_sharded_state_dict(model).values()
+        for sh in chunk.values()
+        if isinstance(sh, ShardedTensor) and is_engram_key(sh.key)
+        and sh.data.data_ptr() not in tables
+    }
+
+
 def load_without_engram(ckpt: Path, model, optimizer) -> tuple[int, dict[str, Any]]:
     """Everything but Engram: see `load_checkpoint_dir`.
 
@@ -103,12 +119,7 @@ def load_without_engram(ckpt: Path, model, optimizer) -> tuple[int, dict[str, An
     _, state = extract_matching_values(state, is_engram)
     # Engram's weights as they are now: preparing megatron's optimizer for a load runs a dummy
     # step (runtime/megatron_fixes.py) whose weight decay would otherwise reach them.
-    engram_live = {
-        sh.key: sh.data
-        for chunk in model_sharded_state_dict(model).values()
-        for sh in chunk.values()
-        if isinstance(sh, ShardedTensor) and is_engram_key(sh.key)
-    }
+    engram_live = _engram_in_megatron_optimizer(model) if optimizer is not None else {}
     initial_engram = {key: data.detach().clone() for key, data in engram_live.items()}
     fresh_optim, load_optimizer = {}, None
     if optimizer is not None:

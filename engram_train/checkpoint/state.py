@@ -140,12 +140,43 @@ def estimate_checkpoint_bytes(model: list[torch.nn.Module]) -> int:
     return total
 
 
-def nonfinite_parameter(model: list[torch.nn.Module]) -> tuple[int, str] | None:
-    """(rank, name) of a parameter holding NaN or inf on any rank, else None. Collective."""
+# The NaN/inf check reads a tensor in blocks of rows of about this many bytes (as float32):
+# torch.isfinite builds temporaries the size of its input (a bf16 abs, bools), which for a
+# host-resident table would be several bytes per parameter beyond the steady state.
+FINITE_CHECK_BLOCK_BYTES = 8 * 2**20
+
+
+def all_finite(tensor: torch.Tensor, block_bytes: int = FINITE_CHECK_BLOCK_BYTES) -> bool:
+    """Whether ``tensor`` holds no NaN or inf, checked by blocks of leading-dimension rows of
+    about ``block_bytes`` (float32), so no temporary grows with the tensor. Device tensors
+    synchronise once, at the end."""
+    tensor = tensor.detach()
+    if not (tensor.is_floating_point() or tensor.is_complex()):
+        return True
+    if tensor.dim() == 0 or tensor.numel() == 0:
+        return bool(torch.isfinite(tensor).all())
+    row = max(1, tensor[0].numel())
+    step = max(1, block_bytes // (4 * row))
+    on_device = tensor.device.type != "cpu"
+    ok = None
+    for start in range(0, tensor.shape[0], step):
+        finite = torch.isfinite(tensor[start:start + step]).all()
+        if not on_device:
+            if not bool(finite):
+                return False
+        else:
+            ok = finite if ok is None else ok.logical_and_(finite)
+    return ok is None or bool(ok)
+
+
+def nonfinite_parameter(model: list[torch.nn.Module],
+                        block_bytes: int = FINITE_CHECK_BLOCK_BYTES) -> tuple[int, str] | None:
+    """(rank, name) of a parameter holding NaN or inf on any rank, else None. Collective.
+    Each parameter is read in blocks (`all_finite`)."""
     bad = None
     for chunk in unwrap_model(model):
         for name, param in chunk.named_parameters():
-            if not bool(torch.isfinite(param.detach()).all()):
+            if not all_finite(param, block_bytes):
                 bad = name
                 break
         if bad:

@@ -68,21 +68,36 @@ class RowwiseAdam(RowOptimizer):
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """torch casts loaded state to each parameter's dtype: for bf16 tables without a master
-        that would round the float32 moments through bf16, so the saved moments are put back
-        as they were saved, in their own dtypes."""
-        saved = {pid: {k: s[k] for k in ("exp_avg", "exp_avg_sq_row") if k in s}
+        """The saved moments go into the live state tensors, in their own dtypes: torch would
+        cast them to each parameter's dtype (rounding float32 moments of a bf16 table through
+        bf16) and put new tensors in place of the live ones. A checkpoint load hands back the
+        live tensors themselves (`TableOptimizerState.sharded_state_dict` gave them to the
+        load), which are kept as they are; other tensors are copied in by blocks of rows
+        (`copy_rows`), so a load never holds a second table-sized tensor."""
+        from engram_train.training.table_optimizer_state import copy_rows
+
+        moment_keys = ("exp_avg", "exp_avg_sq_row")
+        saved = {pid: {k: s[k] for k in moment_keys if k in s}
                  for pid, s in state_dict["state"].items()}
         ids = [pid for group in state_dict["param_groups"] for pid in group["params"]]
-        super().load_state_dict(state_dict)
+        live = {param: {k: self.state[param][k] for k in moment_keys if k in self.state[param]}
+                for param in self.params()}
+        super().load_state_dict(dict(state_dict, state={
+            pid: {k: v for k, v in s.items() if k not in moment_keys}
+            for pid, s in state_dict["state"].items()}))
         for pid, param in zip(ids, self.params()):
             state, moments = self.state[param], saved.get(pid, {})
-            if "exp_avg" in moments:
-                state["exp_avg"] = moments["exp_avg"].to(param.device, self.moment_dtype, copy=True)
-            if "exp_avg_sq_row" in moments:  # a checkpoint stores it as a [rows, 1] column
-                state["exp_avg_sq_row"] = moments["exp_avg_sq_row"].to(
-                    param.device, torch.float32, copy=True).reshape(-1)
-
+            if not moments:
+                continue
+            shapes = {"exp_avg": (param.shape, self.moment_dtype),
+                      "exp_avg_sq_row": ((param.shape[0],), torch.float32)}
+            for key, value in moments.items():  # a checkpoint stores the row moment as [rows, 1]
+                target = live[param].get(key)
+                if target is None:  # no state yet: allocated here, as init_state does
+                    shape, dtype = shapes[key]
+                    target = torch.zeros(shape, dtype=dtype, device=param.device)
+                state[key] = target
+                copy_rows(target, value.reshape(target.shape))
     def _store(self, target: torch.Tensor, rows: torch.Tensor, values: torch.Tensor,
                param: torch.Tensor, step: float, stream: int) -> None:
         if target.dtype == torch.bfloat16:
