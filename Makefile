@@ -25,8 +25,22 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed-mcore$(MEGATRON_CORE)
 # Extra pytest arguments, e.g. PYTEST_ARGS="-m every_lane" (the tests CI runs on every lane).
 PYTEST_ARGS ?=
+# pytest-xdist workers (one per core by default; 0 runs serially). Whole files go to a worker
+# (their launches are shared by module fixtures); tests/launch.py caps the ranks running at once
+# at the core count (ENGRAM_TEST_SLOTS), so workers never oversubscribe the machine.
+PYTEST_WORKERS ?= auto
+# What to run: the whole suite, or e.g. TESTS=tests/test_config.py or TESTS="tests/test_data.py -k split".
+TESTS ?= tests
 
-.PHONY: test demo install torch bench clean
+.PHONY: help test demo install torch bench clean
+
+help:
+	@echo "make demo      train deepseek_v3_tiny + Engram on the shipped corpus (2 CPU processes)"
+	@echo "make test      install the lane's environment if needed, run the test suite (docs/testing.md)"
+	@echo "make install   create or update the lane's virtual environment ($(VENV))"
+	@echo "make bench     the n-gram hash benchmark (others: benchmarks/)"
+	@echo "make clean     remove both lanes' environments and build outputs"
+	@echo "variables: MEGATRON=0.16|0.19 (lane), TESTS=..., PYTEST_ARGS=..., PYTEST_WORKERS=auto|N|0, PYTHON=..."
 
 $(STAMP): pyproject.toml
 	@test -n "$(PYTHON)" || { scripts/find-python $(PYTHON_VERSION); exit 1; }
@@ -48,7 +62,7 @@ torch:
 
 # Not -q: pytest's header names the lane's Python, torch and megatron-core (tests/conftest.py).
 test: $(STAMP)
-	$(PY) -m pytest --durations=20 tests $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile --durations=20 $(TESTS) $(PYTEST_ARGS)
 
 # The embedded default: deepseek_v3_tiny + Engram on the shipped corpus, 2 CPU processes.
 demo: $(STAMP)

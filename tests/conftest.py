@@ -14,6 +14,14 @@ sys.path.insert(0, str(Path(__file__).parent))
 # hundred processes (inherited by every torchrun launch below). TORCHDYNAMO_DISABLE=0 keeps it.
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
+# Under pytest-xdist (`make test` runs one worker per core, tests/launch.py shares the cores
+# between the ranks that workers launch) each worker computes on its own share of the cores.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
+
 # The tests that drive megatron-core end to end (integration and parity, embedding parallelism,
 # checkpoints (with adding/removing Engram and damaged files), the trainer, the patch registry). CI runs the full suite on one megatron-core
 # lane and these on the other: `make test MEGATRON=0.19 PYTEST_ARGS="-m every_lane"`.
@@ -39,10 +47,38 @@ def pytest_configure(config):
     )
 
 
+# The files that take longest (measured, docs/testing.md), longest first. pytest-xdist hands
+# whole files to workers in collection order; starting the long ones first keeps one long file
+# from running alone at the end. Files not listed follow in their usual order.
+LONGEST_FIRST = [
+    "test_sweep.py",
+    "test_reliability_trainer.py",
+    "test_embedding_parallel.py",
+    "test_context_parallel.py",
+    "test_host_tables.py",
+    "test_memory_plan.py",
+    "test_mhc_layouts.py",
+    "test_bf16.py",
+    "test_prefetch.py",
+    "test_huggingface.py",
+    "test_expert_parallel_resume.py",
+    "test_trainer.py",
+    "test_host_update_faults.py",
+    "test_save_keeps_state.py",
+    "test_runtime.py",
+    "test_reliability_schedule.py",
+    "test_engram_integration.py",
+    "test_reliability_round4_faults.py",
+    "test_docs.py",
+]
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.name in EVERY_LANE:
             item.add_marker(pytest.mark.every_lane)
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: order kept within
 
 
 def pytest_report_header(config):

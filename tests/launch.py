@@ -1,12 +1,24 @@
-"""Run a script under real torchrun (gloo on CPU) and collect the JSON each rank writes."""
+"""Run a script under real torchrun (gloo on CPU) and collect the JSON each rank writes; every
+process a test starts goes through `run`, which holds one CPU slot per rank for its lifetime.
+
+Why slots. Under pytest-xdist several test workers launch at once; a 4-rank launch beside two
+2-rank ones on a 2-core machine only multiplies context switches (and gloo's busy waits). The
+slots are lock files shared by all workers of one run (``ENGRAM_TEST_SLOTS``, default: the
+machine's cores); a launch takes as many as it has ranks (at most all of them), so the machine
+never runs more ranks than cores from launches, whatever the number of workers."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 DIST_DIR = Path(__file__).parent / "dist"
@@ -19,6 +31,81 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def slot_count() -> int:
+    return max(1, int(os.environ.get("ENGRAM_TEST_SLOTS") or os.cpu_count() or 1))
+
+
+def _slot_dir() -> Path:
+    path = Path(os.environ.get("ENGRAM_TEST_SLOT_DIR") or
+                Path(tempfile.gettempdir()) / f"engram-test-slots-{os.getuid()}")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@contextlib.contextmanager
+def cpu_slots(ranks: int):
+    """Hold ``ranks`` CPU slots (capped at the machine's) while the block runs."""
+    wanted = min(max(1, ranks), slot_count())
+    folder = _slot_dir()
+    while True:
+        held = []
+        for i in range(slot_count()):
+            handle = open(folder / f"slot{i}.lock", "w")
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                handle.close()
+                continue
+            held.append(handle)
+            if len(held) == wanted:
+                break
+        if len(held) == wanted:
+            break
+        for handle in held:
+            handle.close()  # closing releases the lock
+        time.sleep(0.05)
+    try:
+        yield
+    finally:
+        for handle in held:
+            handle.close()
+
+
+def ranks_of(cmd) -> int:
+    """Processes a command runs: torchrun's ``--nproc-per-node``, else one."""
+    text = " ".join(map(str, cmd)) if not isinstance(cmd, str) else cmd
+    match = re.search(r"--nproc[-_]per[-_]node[= ](\d+)", text)
+    return int(match.group(1)) if match else 1
+
+
+def kind_of(cmd) -> str:
+    text = " ".join(map(str, cmd)) if not isinstance(cmd, str) else cmd
+    if "engram_train.train" in text:
+        return "trainer"
+    return "torchrun script" if str(DIST_DIR) in text else "command"
+
+
+def record(cmd, ranks: int, seconds: float) -> None:
+    """With ``ENGRAM_TEST_TIMINGS=<file>``, one JSON line per launch (docs/testing.md's table)."""
+    path = os.environ.get("ENGRAM_TEST_TIMINGS")
+    if path:
+        line = dict(kind=kind_of(cmd), ranks=ranks, seconds=round(seconds, 2),
+                    test=os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0])
+        with open(path, "a") as handle:
+            handle.write(json.dumps(line) + "\n")
+
+
+def run_process(cmd, **kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run`` holding one CPU slot per rank of ``cmd``."""
+    ranks = kwargs.pop("ranks", None) or ranks_of(cmd)
+    with cpu_slots(ranks):
+        started = time.perf_counter()
+        try:
+            return subprocess.run(cmd, **kwargs)
+        finally:
+            record(cmd, ranks, time.perf_counter() - started)
+
+
 def torchrun(script: str, nproc: int, out_dir: Path, *args: str, timeout: int = 600) -> list[dict]:
     """Launch ``tests/dist/<script>`` on ``nproc`` processes; return each rank's result dict.
 
@@ -26,12 +113,15 @@ def torchrun(script: str, nproc: int, out_dir: Path, *args: str, timeout: int = 
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run",
-        f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
-        str(DIST_DIR / script), "--out", str(out_dir), *args,
-    ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    with cpu_slots(nproc):  # the port is picked once the launch may start
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run",
+            f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
+            str(DIST_DIR / script), "--out", str(out_dir), *args,
+        ]
+        started = time.perf_counter()
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        record(cmd, nproc, time.perf_counter() - started)
     if proc.returncode != 0:
         raise AssertionError(
             f"torchrun {script} failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from launch import REPO, free_port, torchrun
+from launch import REPO, free_port, torchrun, run_process
 
 from engram_train.config import EngramConfig
 from engram_train.engram.engram_module import Engram
@@ -173,7 +172,7 @@ def run_trainer(nproc: int, *overrides: str) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
            f"--master-port={free_port()}", "-m", "engram_train.train", *overrides]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    proc = run_process(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
 
 

@@ -22,13 +22,12 @@ import os
 import re
 import shlex
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from launch import REPO, free_port
+from launch import REPO, free_port, run_process
 from test_presets import COMMANDS as VALIDATED_BY_PRESETS
 from test_presets import parse as trainer_command
 
@@ -247,7 +246,7 @@ def test_first_hour_runs_as_written(tmp_path):
         if words_of(command)[0] in NOT_RUN:
             check_command(command)
             continue
-        proc = subprocess.run(["bash", "-c", shrink(command)], cwd=tmp_path, env=env, capture_output=True,
+        proc = run_process(["bash", "-c", shrink(command)], cwd=tmp_path, env=env, capture_output=True,
                               text=True, timeout=300)
         assert proc.returncode == 0, f"{command}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
         outputs[command] = proc.stdout + proc.stderr
@@ -273,7 +272,7 @@ def test_first_hour_runs_as_written(tmp_path):
     runnable = [(where, b) for where, b in python_blocks() if not is_excerpt(b)]
     assert runnable
     for where, block in runnable:
-        proc = subprocess.run([sys.executable, "-c", block], cwd=tmp_path, env=env, capture_output=True,
+        proc = run_process([sys.executable, "-c", block], cwd=tmp_path, env=env, capture_output=True,
                               text=True, timeout=120)
         assert proc.returncode == 0, f"{where}:\n{block}\n{proc.stderr[-3000:]}"
 
@@ -286,7 +285,7 @@ def test_own_data_preprocess_runs_as_written(tmp_path):
     assert len(preprocess) == 1
     (tmp_path / "examples").symlink_to(REPO / "examples")
     env = dict(os.environ, PATH=f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}")
-    proc = subprocess.run(["bash", "-c", preprocess[0]], cwd=tmp_path, env=env, capture_output=True,
+    proc = run_process(["bash", "-c", preprocess[0]], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     shipped = REPO / "examples" / "data" / "demo_text_document"

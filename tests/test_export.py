@@ -18,7 +18,6 @@ import json
 import math
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -28,7 +27,7 @@ import pytest
 import torch
 from golden_cases import GOLDEN_DIR, case_names, engram_config, load_meta, module_cases
 from damage import corrupt
-from launch import REPO, free_port, torchrun
+from launch import REPO, free_port, torchrun, run_process
 from safetensors.numpy import load_file as load_numpy
 from safetensors.torch import load_file, save_file
 from torch import nn
@@ -185,7 +184,7 @@ def _run_trainer(cwd: Path, *overrides: str) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=4",
            f"--master-port={free_port()}", "-m", "engram_train.train", *overrides]
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+    proc = run_process(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
 
 
@@ -699,7 +698,7 @@ def test_cli_writes_atomically_and_replaces_with_force(trained, tmp_path, monkey
     assert not (out / "old").exists() and (out / "engram_config.json").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
-    help_text = subprocess.run([sys.executable, "-m", "engram_train.export", "--help"],
+    help_text = run_process([sys.executable, "-m", "engram_train.export", "--help"],
                                capture_output=True, text=True, check=True).stdout
     for flag in ("--load", "--out", "--iteration", "--config", "--force", "--table-dtype"):
         assert flag in help_text

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
-from launch import REPO, free_port
+from launch import REPO, free_port, run_process
 
 SCRIPT = REPO / "benchmarks" / "gpu_check.py"
 SECTIONS = ["environment", "te_spec", "nccl_embedding", "bf16_training", "prefetch", "offload",
@@ -22,7 +21,7 @@ def _env():
 
 
 def test_dry_run_plan_fits_eight_minutes():
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run"], cwd=REPO, env=_env(),
+    proc = run_process([sys.executable, str(SCRIPT), "--dry-run"], cwd=REPO, env=_env(),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     plan = json.loads(proc.stdout)
@@ -33,7 +32,7 @@ def test_dry_run_plan_fits_eight_minutes():
 
 
 def test_unknown_section_is_an_error():
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--only", "tee_spec"],
+    proc = run_process([sys.executable, str(SCRIPT), "--dry-run", "--only", "tee_spec"],
                           cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "unknown sections ['tee_spec']" in proc.stderr
 
@@ -41,7 +40,7 @@ def test_unknown_section_is_an_error():
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a machine without CUDA")
 def test_without_cuda_it_checks_nothing_and_says_so(tmp_path):
     out = tmp_path / "gpu_check.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out)], cwd=REPO, env=_env(),
+    proc = run_process([sys.executable, str(SCRIPT), "--out", str(out)], cwd=REPO, env=_env(),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "gpu_check: skipped: no CUDA device" in proc.stderr
@@ -55,7 +54,7 @@ def cpu_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_check") / "gpu_check.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
            f"--master-port={free_port()}", str(SCRIPT), "--allow-cpu", "--quick", "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=900)
+    proc = run_process(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return json.loads(out.read_text())
 
@@ -100,7 +99,7 @@ print("RESULT" + json.dumps(gpu_check.compare_specs(ctx, second_te=False)))
 def test_spec_comparison_of_a_spec_with_itself_is_exact():
     """The TE-vs-local comparison (name mapping, weight copy, bf16 wrapping, gradients), run
     local-vs-local: everything must agree bit for bit."""
-    proc = subprocess.run([sys.executable, "-c", COMPARE], cwd=REPO, env=_env(),
+    proc = run_process([sys.executable, "-c", COMPARE], cwd=REPO, env=_env(),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.split("RESULT", 1)[1])
@@ -125,7 +124,7 @@ def test_te_name_mapping():
 
 def test_time_limit_keeps_the_partial_report(tmp_path):
     out = tmp_path / "partial.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--allow-cpu", "--quick", "--only",
+    proc = run_process([sys.executable, str(SCRIPT), "--allow-cpu", "--quick", "--only",
                            "environment,bf16_training", "--time-limit", "1", "--out", str(out)],
                           cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 3, proc.stdout[-2000:] + proc.stderr[-2000:]

@@ -5,7 +5,7 @@ equals the synchronous one bit for bit. One 4-process launch."""
 
 import pytest
 
-from launch import torchrun
+from launch import torchrun, run_process
 
 LAYOUTS = ["eps1", "eps2", "tp2_eps2", "pp2_eps2", "allreduce_tp2", "eps2_bf16_tables",
            "eps2_4byte", "tp2_eps2_4byte"]
@@ -122,7 +122,6 @@ def test_trainer_overlapped_host_update_trains_like_device_placement(tmp_path):
     critical-path time logged next to its total."""
     import json
     import os
-    import subprocess
     import sys
 
     from launch import REPO, free_port
@@ -136,7 +135,7 @@ def test_trainer_overlapped_host_update_trains_like_device_placement(tmp_path):
                f"--master-port={free_port()}", "-m", "engram_train.train", f"experiment.exp_dir={exp}",
                "train.train_iters=6", "train.log_interval=1", "train.eval_interval=null",
                f"model.engram_table_placement={placement}", *four_byte]
-        proc = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"),
+        proc = run_process(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"),
                               capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-4000:]
         records[placement] = [json.loads(line) for line in (exp / "metrics.jsonl").read_text().splitlines()]

@@ -18,14 +18,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from launch import REPO, free_port, torchrun
+from launch import REPO, free_port, torchrun, run_process
 
 import transformers  # noqa: E402 - a test dependency (pyproject's test extra): never skipped
 
@@ -85,7 +84,7 @@ def hf_source(tmp_path_factory):
 
 def _run(cmd: list[str], cwd: Path, timeout: int = 600) -> str:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO))
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = run_process(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc.stdout + proc.stderr
 
@@ -440,7 +439,7 @@ def test_export_loads_with_its_own_code_where_engram_train_is_not_installed(pari
     script = tmp_path / "load.py"
     script.write_text(_WITHOUT_ENGRAM_TRAIN)
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_MODULES_CACHE=str(tmp_path / "modules"))
-    proc = subprocess.run([sys.executable, str(script), str(folder),
+    proc = run_process([sys.executable, str(script), str(folder),
                            str(parity.out / "engram_mhc" / "megatron.pt"), str(tmp_path / "out.pt")],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-6000:]

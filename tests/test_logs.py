@@ -4,12 +4,11 @@ them), CPU-only ones stay on CUDA hosts; a config error comes before the heavy i
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
 
-from launch import REPO
+from launch import REPO, run_process
 
 EMIT = """
 import logging, sys, warnings
@@ -26,7 +25,7 @@ print("done", flush=True)
 
 def _emit(device: str, show: str) -> str:
     env = dict(os.environ, ENGRAM_SHOW_WARNINGS=show)
-    proc = subprocess.run([sys.executable, "-c", EMIT, device], cwd=REPO, env=env, capture_output=True,
+    proc = run_process([sys.executable, "-c", EMIT, device], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc.stdout + proc.stderr
@@ -72,6 +71,6 @@ except ConfigError as e:
 
 
 def test_config_errors_come_before_the_heavy_imports():
-    proc = subprocess.run([sys.executable, "-c", CHECK, str(REPO / "conf")], cwd=REPO, capture_output=True,
+    proc = run_process([sys.executable, "-c", CHECK, str(REPO / "conf")], cwd=REPO, capture_output=True,
                           text=True, timeout=120)
     assert "HEAVY []" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]

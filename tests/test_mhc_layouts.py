@@ -4,7 +4,7 @@ run identity that refuses a resume across backbones."""
 
 import pytest
 
-from launch import torchrun
+from launch import torchrun, run_process
 
 # Every layout follows the one-rank run (DP4) over 6 steps at a learning rate where the tiny
 # model is stable: TP2 with sequence parallelism sums in another order (split GEMMs, gloo
@@ -170,7 +170,6 @@ def test_export_round_trip_with_four_streams(tmp_path):
     serves them as the reference module (transcribed in test_export) loaded with the export."""
     import json
     import os
-    import subprocess
     import sys
 
     import torch
@@ -189,7 +188,7 @@ def test_export_round_trip_with_four_streams(tmp_path):
            f"checkpoint.save={exp / 'checkpoints'}", f"data.path={DATA}",
            f"data.tokenizer={TOKENIZER}"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
+    proc = run_process(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     out = tmp_path / "export"

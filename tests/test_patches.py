@@ -2,11 +2,11 @@
 
 import ast
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from launch import run_process
 
 from engram_train.runtime import patches
 from engram_train.runtime.patches import (
@@ -227,7 +227,7 @@ print("ACTIVE", ",".join(active_patches()))
 
 
 def test_initialize_distributed_applies_and_logs_the_active_patches_once():
-    proc = subprocess.run(
+    proc = run_process(
         [sys.executable, "-c", LOG_ACTIVE], capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -13,14 +13,13 @@ from __future__ import annotations
 import json
 import re
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
 
-from launch import REPO
+from launch import REPO, run_process
 
 CONF = REPO / "conf"
 PRESETS = sorted(p.stem for p in (CONF / "model").glob("*.yaml"))
@@ -188,7 +187,7 @@ print("COUNTS" + json.dumps(out))
 def counts():
     """Every preset built on the meta device, in one process (single-rank parallel state)."""
     wanted = {name: VOCAB.get(name) for name in PRESETS}
-    proc = subprocess.run([sys.executable, "-c", COUNT_SCRIPT, json.dumps(wanted)], cwd=REPO,
+    proc = run_process([sys.executable, "-c", COUNT_SCRIPT, json.dumps(wanted)], cwd=REPO,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.split("COUNTS", 1)[1])
@@ -236,21 +235,27 @@ def test_docs_state_the_counts(counts):
             assert counts[preset][key] == value, (preset, key)
 
 
-def test_mla_latent_norms_need_sequence_parallel_under_tp():
-    """MLA under TP needs sequence parallelism: megatron-core sums every q_layernorm gradient
-    over TP (right only for a sequence-split latent), and only its sequence-parallel gather
-    sums the shared RoPE key's partial gradients; otherwise the run is refused, naming both
-    causes where both apply."""
+def test_mla_under_tp_without_sequence_parallel_is_refused_only_where_unrepaired(monkeypatch):
+    """Dense MLA under TP trains with and without sequence parallelism on the local spec (its
+    MLASelfAttention sums the shared RoPE key's gradient over TP and scales the q-latent norm's
+    gradient for megatron's TP sum; tests/test_context_parallel.py checks every first gradient
+    against DP). Transformer Engine's spec has neither repair: refused there, as MoE under TP
+    without sequence parallelism is (megatron's own rule)."""
+    from engram_train.models import specs
     from engram_train.training.run_config import ConfigError, validate_run_config
 
     dense_tp2 = ["model.num_moe_experts=null", "model.moe_ffn_hidden_size=null",
                  "model.moe_shared_expert_intermediate_size=null",
                  "system.tensor_model_parallel_size=2"]
-    with pytest.raises(ConfigError, match=r"system.sequence_parallel: true .* RoPE key.*"
-                                          r"model.qk_layernorm=true"):
-        validate_run_config(_cfg([*dense_tp2, "system.sequence_parallel=false"]), 2)
+    validate_run_config(_cfg([*dense_tp2, "system.sequence_parallel=false"]), 2)
+    validate_run_config(_cfg([*dense_tp2, "system.sequence_parallel=false",
+                              "+model.qk_layernorm=false"]), 2)
     validate_run_config(_cfg(dense_tp2), 2)  # auto: sequence parallel on
-    with pytest.raises(ConfigError, match=r"RoPE key's gradient partial") as refused:
-        validate_run_config(_cfg([*dense_tp2, "system.sequence_parallel=false",
-                                  "+model.qk_layernorm=false"]), 2)
-    assert "qk_layernorm" not in str(refused.value)
+    with pytest.raises(ConfigError, match=r"MoE with tensor_model_parallel_size > 1 needs "
+                                          r"sequence parallelism"):
+        validate_run_config(_cfg(["system.tensor_model_parallel_size=2",
+                                  "system.sequence_parallel=false"]), 2)
+    monkeypatch.setattr(specs, "use_transformer_engine", lambda: True)
+    with pytest.raises(ConfigError, match=r"system.sequence_parallel: true .* Transformer "
+                                          r"Engine's MLA: .* RoPE key's gradient partial"):
+        validate_run_config(_cfg([*dense_tp2, "system.sequence_parallel=false"]), 2)

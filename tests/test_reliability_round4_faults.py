@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import json
+import struct
 import os
 import socket
 import subprocess
@@ -222,10 +223,14 @@ def test_empty_or_damaged_dataset_files_are_named(tmp_path, tok, capfd):
                     f"Rebuild {files} with engram-preprocess from a non-empty corpus, or drop the prefix from "
                     "data.path.",
         (b"x" * 8, b""): f"data path: {prefix}.idx is empty (0 bytes): no dataset to train on",
-        (b"x" * 8, b"not an index"): f"data path: cannot read {files} (AssertionError: bad header, cannot "
-                                     f"read: {prefix}.idx): they are damaged or not an indexed dataset; "
+        (b"x" * 8, b"not an index"): f"data path: cannot read {files} ({prefix}.idx is 12 bytes, shorter "
+                                     "than an index header): they are damaged or not an indexed dataset; "
                                      "rebuild them with engram-preprocess.",
-        (b"x" * 8, b"MMIDIDX\x00\x00\x01"): f"data path: cannot read {files} (error: ",  # a torn index
+        (b"x" * 8, b"NOTANIDX!" + bytes(25)): f"data path: cannot read {files} ({prefix}.idx has no megatron "
+                                             "index header (version 1))",
+        (b"x" * 8, b"MMIDIDX\x00\x00" + struct.pack("<QBQQ", 1, 1, 5, 6)): (  # a torn index
+            f"data path: cannot read {files} ({prefix}.idx is 34 bytes, its header announces 142 "
+            "(truncated))"),
     }  # fmt: skip
     for (data, index), message in cases.items():
         Path(f"{prefix}.bin").write_bytes(data)

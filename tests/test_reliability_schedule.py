@@ -11,14 +11,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
 
-from launch import REPO, free_port, torchrun
+from launch import REPO, free_port, torchrun, run_process
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO))
 GBS = 8
@@ -29,7 +28,7 @@ NEW_LR = ["train.lr=1e-4", "train.min_lr=1e-5"]
 def run_trainer(*overrides: str) -> str:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", f"--master-port={free_port()}",
            "-m", "engram_train.train", *overrides]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
+    proc = run_process(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     return out

@@ -29,7 +29,7 @@ from engram_train.checkpoint.lock import LOCK_FILE
 from engram_train.runtime import megatron_core_version
 
 from damage import corrupt
-from launch import REPO, free_port
+from launch import REPO, free_port, run_process
 
 CONF = str(REPO / "conf")
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -42,7 +42,7 @@ def trainer_cmd(nproc: int, *overrides: str) -> list[str]:
 
 
 def run_trainer(*overrides: str, expect: int = 0, timeout: int = 900) -> subprocess.CompletedProcess:
-    proc = subprocess.run(trainer_cmd(2, *overrides), cwd=REPO, env=ENV, capture_output=True, text=True,
+    proc = run_process(trainer_cmd(2, *overrides), cwd=REPO, env=ENV, capture_output=True, text=True,
                           timeout=timeout)  # fmt: skip
     out = proc.stdout + proc.stderr
     assert (proc.returncode == 0) == (expect == 0), out[-6000:]
@@ -522,7 +522,7 @@ ENOSPC_SCRIPT = textwrap.dedent("""
 def _mount_namespace() -> list[str] | None:
     """A command prefix that runs in a private mount namespace where tmpfs can be mounted."""
     for prefix in (["unshare", "-m"], ["unshare", "-r", "-m"]):
-        probe = subprocess.run([*prefix, "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /mnt"], capture_output=True)
+        probe = run_process([*prefix, "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /mnt"], capture_output=True)
         if probe.returncode == 0:
             return prefix
     return None
@@ -540,7 +540,7 @@ def test_disk_full_is_reported_as_such_and_loses_nothing(tmp_path):
     cmd = " ".join(trainer_cmd(2, f"experiment.exp_dir={tmp_path / 'run'}", f"checkpoint.save={mnt}/ckpt",
                                "checkpoint.save_interval=2", "train.train_iters=4", "train.eval_interval=null"))
     script = ENOSPC_SCRIPT.format(size="100m", mnt=mnt, out=out, cmd=cmd, python=sys.executable)
-    proc = subprocess.run([*namespace, "bash", "-c", script], cwd=REPO, env=ENV, capture_output=True,
+    proc = run_process([*namespace, "bash", "-c", script], cwd=REPO, env=ENV, capture_output=True,
                           text=True, timeout=1200)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     rc = dict(line.split("=") for line in (out / "rc").read_text().split())

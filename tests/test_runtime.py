@@ -1,7 +1,6 @@
 """The CPU compatibility layer: active without CUDA, inert when CUDA is reported present."""
 
 import math
-import subprocess
 import sys
 
 import pytest
@@ -22,6 +21,7 @@ print('GUARD-OK')
 CHECK_INSTALL = """
 import torch
 from engram_train.runtime import install_cpu_compat, uninstall_cpu_compat, is_installed
+from launch import run_process
 original_zeros, original_type = torch.zeros, torch.Tensor.type
 assert install_cpu_compat() is True and is_installed()
 assert torch.cuda.current_device() == 'cpu'
@@ -37,7 +37,7 @@ print('INSTALL-OK')
 
 
 def _run(code: str) -> str:
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    proc = run_process([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
 

@@ -10,11 +10,10 @@ exactly the losses of the same run without a save."""
 
 from __future__ import annotations
 
-import subprocess
 
 import pytest
 
-from launch import REPO, torchrun
+from launch import REPO, torchrun, run_process
 from test_reliability_trainer import ENV, read_metrics, trainer_cmd
 
 
@@ -53,7 +52,7 @@ def test_trainer_losses_with_a_save_equal_those_without(tmp_path, overrides):
     for name, save in (("saved", [f"checkpoint.save={tmp_path / 'ckpt'}", "checkpoint.save_interval=4"]),
                        ("plain", [])):
         exp = tmp_path / name
-        proc = subprocess.run(
+        proc = run_process(
             trainer_cmd(1, f"experiment.exp_dir={exp}", "train.train_iters=8",
                         "train.eval_interval=null", "train.log_interval=1", *save, *overrides),
             cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from launch import run_process
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = ["--data-path", "examples/data/demo_text_document", "--split", "90,10,0",
@@ -21,7 +22,7 @@ DEMO = ["--data-path", "examples/data/demo_text_document", "--split", "90,10,0",
 
 
 def _sweep(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "engram_train.sweep", *args], cwd=cwd,
+    return run_process([sys.executable, "-m", "engram_train.sweep", *args], cwd=cwd,
                           capture_output=True, text=True, timeout=300)
 
 
@@ -202,7 +203,7 @@ def test_frozen_tables_keep_their_init(tmp_path):
     from engram_train.config import EngramConfig
     from engram_train.engram.engram_module import Engram
 
-    train = subprocess.run(
+    train = run_process(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
          "-m", "engram_train.train", "+model.engram_freeze_tables=true", "train.train_iters=2",
          "train.seq_length=32", "train.global_batch_size=2", "train.micro_batch_size=2",
@@ -210,7 +211,7 @@ def test_frozen_tables_keep_their_init(tmp_path):
          f"checkpoint.save={tmp_path / 'ckpt'}"],
         cwd=REPO, capture_output=True, text=True, timeout=300)
     assert train.returncode == 0, train.stderr[-3000:]
-    export = subprocess.run([sys.executable, "-m", "engram_train.export", "--load",
+    export = run_process([sys.executable, "-m", "engram_train.export", "--load",
                              str(tmp_path / "ckpt"), "--config", str(tmp_path / "run" / "config.yaml"),
                              "--out", str(tmp_path / "export")],
                             cwd=REPO, capture_output=True, text=True, timeout=300)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from launch import REPO, free_port
+from launch import REPO, free_port, run_process
 
 CONF = str(REPO / "conf")
 
@@ -22,7 +22,7 @@ def run_trainer(nproc: int, *overrides: str, timeout: int = 600) -> subprocess.C
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
            f"--master-port={free_port()}", "-m", "engram_train.train", *overrides]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = run_process(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc
 
@@ -101,7 +101,7 @@ def test_resume_is_exact(demo_run):
 
 @pytest.mark.parametrize("preset", ["deepseek_v3_tiny", "deepseek_v3_small", "engram_27b"])
 def test_every_preset_prints_its_job_config(preset):
-    proc = subprocess.run([sys.executable, "-m", "engram_train.train", f"model={preset}", "--cfg", "job"],
+    proc = run_process([sys.executable, "-m", "engram_train.train", f"model={preset}", "--cfg", "job"],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "use_engram: true" in proc.stdout and "engram_layer_ids" in proc.stdout

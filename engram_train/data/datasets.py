@@ -205,22 +205,39 @@ def _document_lengths(prefix: str):
             f"dataset to train on at '{prefix}'. Rebuild {files} with engram-preprocess from a "
             "non-empty corpus, or drop the prefix from data.path."
         )
-    problem = None
-    hook = sys.unraisablehook  # megatron's __del__ of a half-built reader raises: not the user's news
-    sys.unraisablehook = lambda _: None
-    try:
+    problem = _index_problem(prefix + ".idx")  # before megatron's reader, whose __del__
+    if problem is None:                          # complains about a half-read index
         try:
             dataset = IndexedDataset(prefix)
             # a copy: the lengths are a view of the index's mmap, closed with `dataset`
             return dataset.sequence_lengths.astype("int64")
         except (ValueError, AssertionError, OSError, IndexError, struct.error) as e:
             problem = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-    finally:
-        sys.unraisablehook = hook
     raise DatasetError(
         f"data path: cannot read {files} ({problem}): they are damaged or not an indexed dataset; "
         "rebuild them with engram-preprocess."
     )
+
+
+_INDEX_MAGIC = b"MMIDIDX\x00\x00"
+_INDEX_HEAD = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequences, documents
+
+
+def _index_problem(idx_path: str) -> str | None:
+    """Why megatron's indexed-dataset reader would fail on ``idx_path`` (its header, or a file
+    shorter than the arrays the header announces), or None."""
+    with open(idx_path, "rb") as stream:
+        head = stream.read(_INDEX_HEAD.size)
+    if len(head) < _INDEX_HEAD.size:
+        return f"{idx_path} is {len(head)} bytes, shorter than an index header"
+    magic, version, _, sequences, documents = _INDEX_HEAD.unpack(head)
+    if magic != _INDEX_MAGIC or version != 1:
+        return f"{idx_path} has no megatron index header (version 1)"
+    needed = _INDEX_HEAD.size + sequences * (4 + 8) + documents * 8
+    size = os.path.getsize(idx_path)
+    if size < needed:
+        return f"{idx_path} is {size} bytes, its header announces {needed} (truncated)"
+    return None
 
 
 def _check_blend(data_path, split: str, num_samples: list) -> tuple[list, list | None, dict]:
