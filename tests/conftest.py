@@ -45,6 +45,22 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "every_lane: run on every megatron-core lane in CI (tests/conftest.py)"
     )
+    config.addinivalue_line(
+        "markers", "cpu_slots(n): the test holds n CPU slots throughout (tests/launch.py), for "
+        "tests that start processes themselves (Popen) or whose timing matters"
+    )
+
+
+@pytest.fixture(autouse=True)
+def _cpu_slots_of_marked_tests(request):
+    marker = request.node.get_closest_marker("cpu_slots")
+    if marker is None:
+        yield
+        return
+    from launch import cpu_slots
+
+    with cpu_slots(marker.args[0]):
+        yield
 
 
 # The files that take longest (measured, docs/testing.md), longest first. pytest-xdist hands

@@ -42,9 +42,16 @@ def _slot_dir() -> Path:
     return path
 
 
+_HELD_HERE = [0]  # slots this process holds: nested requests (a marked test's launches) pass
+
+
 @contextlib.contextmanager
 def cpu_slots(ranks: int):
-    """Hold ``ranks`` CPU slots (capped at the machine's) while the block runs."""
+    """Hold ``ranks`` CPU slots (capped at the machine's) while the block runs; inside a block
+    that already holds slots (``@pytest.mark.cpu_slots(n)`` on a test), nothing more is taken."""
+    if _HELD_HERE[0]:
+        yield
+        return
     wanted = min(max(1, ranks), slot_count())
     folder = _slot_dir()
     while True:
@@ -64,9 +71,11 @@ def cpu_slots(ranks: int):
         for handle in held:
             handle.close()  # closing releases the lock
         time.sleep(0.05)
+    _HELD_HERE[0] = wanted
     try:
         yield
     finally:
+        _HELD_HERE[0] = 0
         for handle in held:
             handle.close()
 

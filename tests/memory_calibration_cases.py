@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from launch import REPO, free_port
+from launch import REPO, free_port, run_process
 
 # deepseek_v3_tiny widened: hidden 256, 8 MLA heads, 8 routed experts, 4 layers.
 WIDE = (
@@ -67,7 +66,7 @@ def torchrun_calibration(nproc: int, out: Path, overrides: list[str], baseline: 
            f"--master-port={free_port()}", str(REPO / "tests/dist/memory_calibration.py"),
            "--out", str(out), *(["--baseline"] if baseline else []),
            f"experiment.exp_dir={out / 'exp'}", *overrides]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = run_process(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(f"calibration run failed ({overrides}):\n{proc.stdout[-3000:]}\n"
                              f"{proc.stderr[-6000:]}")

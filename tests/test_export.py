@@ -14,6 +14,7 @@ modules compute on a batch (tests/dist/export_reshard.py). Then:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -235,6 +236,13 @@ def test_tp2_pp2_eps2_export_equals_single_rank_export(exports, trained):
             assert a.pop("source") == {"checkpoint": str((trained.ckpt / "iter_0000002").resolve()),
                                        "iteration": 2}
             assert b.pop("source")["iteration"] == 2
+        if name == ".engram-export.json":  # every file's size and SHA-256; engram_config.json's
+            a, b = json.loads(a), json.loads(b)  # differs by its source (above)
+            for marker, folder in ((a, exports.sharded), (b, exports.single)):
+                assert sorted(marker["files"]) == sorted(f for f in files if f != name)
+                for f, entry in marker["files"].items():
+                    assert entry["sha256"] == hashlib.sha256((folder / f).read_bytes()).hexdigest()
+                del marker["files"]["engram_config.json"]
         assert a == b, f"{name} differs between the TP2 x PP2 x eps 2 and the single-rank export"
     # The sharded checkpoint really was sharded: the tables in eps 2 row shards, TP splits.
     reader = DistCheckpointReader(trained.ckpt / "iter_0000002")

@@ -143,6 +143,7 @@ t.main()
 """
 
 
+@pytest.mark.cpu_slots(2)
 def test_config_errors_print_once_without_traceback_and_unexpected_ones_keep_it(tmp_path):
     """A config error under torchrun (2 ranks) and alone: its message once, no traceback of
     the trainer, exit 1. An unexpected exception keeps its traceback."""

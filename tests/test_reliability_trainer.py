@@ -399,6 +399,7 @@ def _wait_gone(pids, seconds: float) -> list[int]:
     return _alive(pids)
 
 
+@pytest.mark.cpu_slots(2)
 def test_sigterm_saves_then_exits_and_resume_finds_the_newest_without_tracker(base):
     exp, ckpt = copy_run(base, "sigterm")
     (ckpt / TRACKER).unlink()
@@ -457,6 +458,7 @@ def _rank0(torchrun_pid: int) -> psutil.Process | None:
 FORKED_WRITERS = Version(megatron_core_version()) < Version("0.19")
 
 
+@pytest.mark.cpu_slots(2)
 def test_kill_rank0_during_save_leaves_no_process(tmp_path):
     """Rank 0 is killed (SIGKILL) while a checkpoint is being written: nothing of the job
     survives it, and the newest complete checkpoint stays intact. megatron-core 0.16 writes
@@ -528,6 +530,7 @@ def _mount_namespace() -> list[str] | None:
     return None
 
 
+@pytest.mark.cpu_slots(2)
 def test_disk_full_is_reported_as_such_and_loses_nothing(tmp_path):
     """A tmpfs with room for one checkpoint (in a private mount namespace). Saving the second:
     refused up front by the free-space check; without it, ENOSPC while writing is reported as

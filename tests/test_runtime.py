@@ -5,6 +5,7 @@ import sys
 
 import pytest
 import torch
+from launch import run_process
 
 CHECK_GUARD = """
 import torch
@@ -21,7 +22,6 @@ print('GUARD-OK')
 CHECK_INSTALL = """
 import torch
 from engram_train.runtime import install_cpu_compat, uninstall_cpu_compat, is_installed
-from launch import run_process
 original_zeros, original_type = torch.zeros, torch.Tensor.type
 assert install_cpu_compat() is True and is_installed()
 assert torch.cuda.current_device() == 'cpu'

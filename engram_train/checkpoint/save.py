@@ -102,7 +102,7 @@ def save_checkpoint(
         dist_checkpointing.save(state, str(tmp), content_metadata=metadata)
     except (Exception, CheckpointException) as e:  # torch's CheckpointException is a BaseException
         no_space = is_no_space(e, root, tmp, checkpoint_bytes(root) or space_estimate)
-        kept = _what_is_kept(root, tmp)
+        kept = _what_is_kept(root, tmp, created=True)
         if no_space:
             raise CheckpointSpaceError(
                 f"saving iteration {iteration} to {root} failed: no space left on device "
@@ -128,14 +128,18 @@ def save_checkpoint(
     return final
 
 
-def _what_is_kept(root: Path, tmp: Path) -> str:
-    """After a failed save: what became of its partial directory (removed here), and the
-    newest complete checkpoint (untouched)."""
+def _what_is_kept(root: Path, tmp: Path, created: bool = False) -> str:
+    """After a failed save: what became of its partial directory (removed here; ``created``:
+    the save had made it, and another rank or the free-space probe may have removed it first),
+    and the newest complete checkpoint (untouched)."""
     partial = None
-    if tmp.is_dir():  # not a file in the way: that is no save's
+    existed = tmp.is_dir()  # not a file in the way: that is no save's
+    if existed:
         shutil.rmtree(tmp, ignore_errors=True)
-        partial = (f"The partial {tmp.name} could not be removed (the next save removes it)"
-                   if tmp.exists() else f"The partial {tmp.name} was removed")  # fmt: skip
+    if tmp.is_dir():
+        partial = f"The partial {tmp.name} could not be removed (the next save removes it)"
+    elif (existed or created) and not tmp.exists():
+        partial = f"The partial {tmp.name} was removed"
     latest = read_tracker(root)
     newest = None if latest is None else f"the newest complete checkpoint is still {iteration_dir(root, latest).name}"
     said = "; ".join(part for part in (partial, newest) if part)
