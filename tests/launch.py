@@ -54,23 +54,24 @@ def cpu_slots(ranks: int):
         return
     wanted = min(max(1, ranks), slot_count())
     folder = _slot_dir()
-    while True:
-        held = []
-        for i in range(slot_count()):
-            handle = open(folder / f"slot{i}.lock", "w")
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                handle.close()
-                continue
-            held.append(handle)
-            if len(held) == wanted:
-                break
-        if len(held) == wanted:
-            break
-        for handle in held:
-            handle.close()  # closing releases the lock
-        time.sleep(0.05)
+    held = []
+    # First come, first served: a request holds the turnstile while it gathers its slots, so
+    # a 4-rank launch is not starved by a stream of one-slot requests from other workers.
+    with open(folder / "turnstile.lock", "w") as turnstile:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        while len(held) < wanted:
+            for i in range(slot_count()):
+                if len(held) == wanted:
+                    break
+                handle = open(folder / f"slot{i}.lock", "w")
+                try:
+                    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    handle.close()
+                    continue
+                held.append(handle)
+            if len(held) < wanted:
+                time.sleep(0.05)
     _HELD_HERE[0] = wanted
     try:
         yield
@@ -83,6 +84,8 @@ def cpu_slots(ranks: int):
 def ranks_of(cmd) -> int:
     """Processes a command runs: torchrun's ``--nproc-per-node``, else one."""
     text = " ".join(map(str, cmd)) if not isinstance(cmd, str) else cmd
+    if "torch.distributed.run" not in text and "torchrun" not in text:
+        return 1  # e.g. engram-plan's --nproc-per-node plans ranks, it starts none
     match = re.search(r"--nproc[-_]per[-_]node[= ](\d+)", text)
     return int(match.group(1)) if match else 1
 
