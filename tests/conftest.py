@@ -51,6 +51,24 @@ def pytest_configure(config):
     )
 
 
+@pytest.fixture(scope="module")
+def one_rank():
+    """torch.distributed (gloo) for this one process, for in-process tests that need a process
+    group (a one-rank save, the plan building its model on the meta device)."""
+    from engram_train.runtime import ParallelSizes, destroy_distributed, initialize_distributed
+
+    saved = {k: os.environ.get(k) for k in ("WORLD_SIZE", "RANK")}
+    os.environ["WORLD_SIZE"], os.environ["RANK"] = "1", "0"
+    initialize_distributed(ParallelSizes())
+    yield
+    destroy_distributed()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
 @pytest.fixture(autouse=True)
 def _cpu_slots_of_marked_tests(request):
     marker = request.node.get_closest_marker("cpu_slots")

@@ -26,23 +26,6 @@ def plan_cli(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
     return proc
 
 
-@pytest.fixture(scope="module")
-def one_rank():
-    """torch.distributed for one process (the plan builds the model on the meta device)."""
-    from engram_train.runtime import ParallelSizes, destroy_distributed, initialize_distributed
-
-    saved = {k: os.environ.get(k) for k in ("WORLD_SIZE", "RANK")}
-    os.environ["WORLD_SIZE"], os.environ["RANK"] = "1", "0"
-    initialize_distributed(ParallelSizes())
-    yield
-    destroy_distributed()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-
-
 def plan_of(overrides, world=1, **kw):
     from engram_train.memory_plan.cli import make_plan
     from engram_train.training.param_count import compose_config

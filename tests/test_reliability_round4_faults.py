@@ -121,23 +121,6 @@ class _Tiny(torch.nn.Module):
         return {"w": ShardedTensor.from_rank_offsets("w", self.w.detach(), replica_id=0)}
 
 
-@pytest.fixture(scope="module")
-def one_rank():
-    """torch.distributed (gloo) for this one process."""
-    from engram_train.runtime import ParallelSizes, destroy_distributed, initialize_distributed
-
-    saved = {k: os.environ.get(k) for k in ("WORLD_SIZE", "RANK")}
-    os.environ["WORLD_SIZE"], os.environ["RANK"] = "1", "0"
-    initialize_distributed(ParallelSizes())
-    yield
-    destroy_distributed()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-
-
 def test_a_save_folder_turned_unwritable_fails_in_one_line_and_keeps_the_checkpoint(tmp_path, one_rank,
                                                                                   monkeypatch):
     """As root, ``chmod`` does not stop writes: then the save's ``mkdir`` is made to fail with
