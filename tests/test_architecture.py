@@ -156,3 +156,46 @@ def test_every_project_exception_derives_from_the_root():
         module, name = qual.rsplit(".", 1)
         cls = getattr(__import__(module.removesuffix(".__init__"), fromlist=[name]), name)
         assert issubclass(cls, EngramError), f"{qual} does not derive from EngramError"
+
+
+def family_arrows(sources: dict[str, str]) -> list[str]:
+    """In ``models/``: a shared block (a module directly in ``models/``) importing a family
+    folder other than through the builder, or a family folder importing another family."""
+    bad = []
+    for module, text in sources.items():
+        parts = module.removesuffix(".__init__").split(".")
+        if parts[:2] != ["engram_train", "models"] or len(parts) < 3:
+            continue
+        here = parts[2] if len(parts) > 3 or (PACKAGE / "models" / parts[2]).is_dir() else None
+        if here is None and parts[2] in {"builder", "__init__"}:
+            continue  # the builder chooses the family
+        for line, target in imported_modules(text, module.removesuffix(".__init__"),
+                                             module.endswith(".__init__")):
+            tparts = target.split(".")
+            if (tparts[:2] != ["engram_train", "models"] or len(tparts) < 3
+                    or not (PACKAGE / "models" / tparts[2]).is_dir()):
+                continue
+            there = tparts[2]
+            if there != here:
+                bad.append(f"{module}:{line} imports {target} "
+                           f"({here or 'shared block'} -> family {there})")
+    return bad
+
+
+def test_shared_blocks_and_families_keep_apart():
+    """docs/architecture.md's `models/` rules: shared blocks never import a family folder
+    (the builder hands them the family's spec), no family imports another."""
+    sources = project_sources()
+    assert (PACKAGE / "models" / "deepseek_v3").is_dir()
+    assert family_arrows(sources) == []
+    sources["engram_train.models.synthetic_shared"] = (
+        "from engram_train.models.deepseek_v3.v3_specs import deepseek_v3_block_spec\n")
+    sources["engram_train.models.other_family.blocks"] = (
+        "from engram_train.models.deepseek_v3 import v3_config\n"
+        "from engram_train.models.engram_layer import EngramTransformerLayer\n")
+    assert family_arrows(sources) == [
+        "engram_train.models.synthetic_shared:1 imports engram_train.models.deepseek_v3.v3_specs "
+        "(shared block -> family deepseek_v3)",
+        "engram_train.models.other_family.blocks:1 imports engram_train.models.deepseek_v3 "
+        "(other_family -> family deepseek_v3)",
+    ]

@@ -241,7 +241,7 @@ def test_mla_under_tp_without_sequence_parallel_is_refused_only_where_unrepaired
     gradient for megatron's TP sum; tests/test_context_parallel.py checks every first gradient
     against DP). Transformer Engine's spec has neither repair: refused there, as MoE under TP
     without sequence parallelism is (megatron's own rule)."""
-    from engram_train.models import specs
+    from engram_train.models.deepseek_v3 import v3_specs as specs
     from engram_train.training.run_config import ConfigError, validate_run_config
 
     dense_tp2 = ["model.num_moe_experts=null", "model.moe_ffn_hidden_size=null",

@@ -65,7 +65,7 @@ def test_sdpa_core_attention_matches_explicit_softmax_with_mla_head_dims():
     """MLA: q/k head dim 24, v head dim 16, causal; compare with an explicit computation."""
     from megatron.core.transformer.enums import AttnMaskType
 
-    from engram_train.models.deepseek_v3 import deepseek_v3_config
+    from engram_train.models.deepseek_v3.v3_config import deepseek_v3_config
     from engram_train.models.presets import backbone_preset
     from engram_train.models.local_modules import SDPACoreAttention
 
@@ -86,10 +86,10 @@ def test_local_spec_swaps_only_the_cpu_incapable_modules():
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    from engram_train.models.deepseek_v3 import deepseek_v3_config
+    from engram_train.models.deepseek_v3.v3_config import deepseek_v3_config
     from engram_train.models.presets import backbone_preset
     from engram_train.models.local_modules import RMSNorm, SDPACoreAttention
-    from engram_train.models.specs import deepseek_v3_block_spec
+    from engram_train.models.deepseek_v3.v3_specs import deepseek_v3_block_spec
 
     config = deepseek_v3_config(**backbone_preset("deepseek_v3_tiny"))
     spec = deepseek_v3_block_spec(config, use_te=False, pp_rank=0)

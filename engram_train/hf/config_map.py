@@ -1,7 +1,7 @@
 """A run's model section <-> transformers' DeepSeek-V3 ``config.json``.
 
 Export (`hf_config`): the megatron fields the trainer built the model from, with DeepSeek-V3's
-defaults (``models/deepseek_v3.py``) and megatron's own, become ``DeepseekV3Config`` fields.
+defaults (``models/deepseek_v3/v3_config.py``) and megatron's own, become ``DeepseekV3Config`` fields.
 A field the transformers model cannot express is refused by name. Import (`preset_from_hf`):
 every field of a DeepSeek-V3 ``config.json`` is mapped to a model-preset field, accepted as
 not part of the model (metadata, generation, inference layout), or refused with the reason.
@@ -27,7 +27,7 @@ def megatron_fields(model: dict) -> dict[str, Any]:
     """The model section with DeepSeek-V3's and then megatron's defaults filled in."""
     from megatron.core.transformer import MLATransformerConfig
 
-    from engram_train.models.deepseek_v3 import DEEPSEEK_V3_COMMON
+    from engram_train.models.deepseek_v3.v3_config import DEEPSEEK_V3_COMMON
 
     fields = {f.name: f.default for f in dataclasses.fields(MLATransformerConfig)
               if f.default is not dataclasses.MISSING}

@@ -28,7 +28,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.module import Float16Module
 
-from engram_train.models.specs import deepseek_v3_block_spec
+from engram_train.models.deepseek_v3.v3_specs import deepseek_v3_block_spec
 
 
 def build_gpt_model(
@@ -74,11 +74,12 @@ def gpt_model_class(config: Any) -> type:
 
 def gpt_block_spec(config: Any, use_te: bool | None = None, vp_stage: int | None = None):
     """The decoder block spec: Engram layers at ``engram_layer_ids`` when ``use_engram``."""
+    block = deepseek_v3_block_spec(config, use_te=use_te, vp_stage=vp_stage)
     if getattr(config, "use_engram", False):
         from engram_train.models.engram_specs import engram_block_spec
 
-        return engram_block_spec(config, use_te=use_te, vp_stage=vp_stage)
-    return deepseek_v3_block_spec(config, use_te=use_te, vp_stage=vp_stage)
+        return engram_block_spec(config, block, vp_stage=vp_stage)
+    return block
 
 
 def _cast_exempt(param: torch.nn.Parameter) -> bool:

@@ -1,6 +1,6 @@
 """Choose Engram or plain layers per global layer id (MoE and dense alike).
 
-Starts from the backbone's block spec for this stage (``deepseek_v3_block_spec``) and turns the
+Starts from the backbone family's block spec for this stage (e.g. ``deepseek_v3_block_spec``) and turns the
 specs of layers listed in ``engram_layer_ids`` into ``EngramTransformerLayer`` specs. Layers
 are numbered as megatron numbers them (pipeline offsets, virtual stages, custom layouts).
 MTP layers are not in the decoder block and stay plain.
@@ -22,7 +22,6 @@ from engram_train.models.engram_layer import (
     EngramTransformerLayerSubmodules,
 )
 from engram_train.models.hyper_connection_layer import HyperConnectionTransformerLayer
-from engram_train.models.specs import deepseek_v3_block_spec
 
 
 def stage_layer_ids(config, vp_stage: int | None = None, pp_rank: int | None = None) -> list[int]:
@@ -50,9 +49,11 @@ def engram_layer_spec(layer_spec: ModuleSpec, engram_spec=Engram) -> ModuleSpec:
 
 
 def engram_block_spec(
-    config, use_te: bool | None = None, vp_stage: int | None = None, pp_rank: int | None = None
+    config, block: TransformerBlockSubmodules, vp_stage: int | None = None,
+    pp_rank: int | None = None,
 ) -> TransformerBlockSubmodules:
-    block = deepseek_v3_block_spec(config, use_te=use_te, vp_stage=vp_stage, pp_rank=pp_rank)
+    """``block`` (a family's block spec for this stage) with Engram layers at
+    ``engram_layer_ids``."""
     ids = stage_layer_ids(config, vp_stage=vp_stage, pp_rank=pp_rank)
     if len(ids) != len(block.layer_specs):
         raise RuntimeError(f"stage layer ids {ids} do not match {len(block.layer_specs)} layer specs")

@@ -34,7 +34,7 @@ def backbone_model(cfg) -> dict[str, Any]:
     from megatron.core.transformer import MLATransformerConfig
     from omegaconf import OmegaConf
 
-    from engram_train.models.deepseek_v3 import DEEPSEEK_V3_COMMON
+    from engram_train.models.deepseek_v3.v3_config import DEEPSEEK_V3_COMMON
 
     defaults = {f.name: f.default for f in dataclasses.fields(MLATransformerConfig)
                 if f.default is not dataclasses.MISSING}
@@ -145,7 +145,7 @@ def validate_run_config(cfg, world_size: int, check_data: bool = True):
         # MLA: the RoPE key, shared by all heads, gets a partial gradient on each TP rank. The
         # local spec's MLASelfAttention sums it over TP (and scales the q-latent norm's gradient
         # for megatron's TP sum); TE's spec does neither (docs/megatron-versions.md, item 8).
-        from engram_train.models.specs import use_transformer_engine
+        from engram_train.models.deepseek_v3.v3_specs import use_transformer_engine
 
         if use_transformer_engine():
             raise ConfigError(
@@ -316,7 +316,7 @@ def build_transformer_config(cfg):
     from omegaconf import OmegaConf
 
     from engram_train.config import EngramMLATransformerConfig
-    from engram_train.models.deepseek_v3 import backbone_config_kwargs
+    from engram_train.models.deepseek_v3.v3_config import backbone_config_kwargs
 
     model = OmegaConf.to_container(cfg.model, resolve=True)
     known = {f.name for f in dataclasses.fields(EngramMLATransformerConfig)} | MODEL_ONLY_KEYS

@@ -60,7 +60,7 @@ def repeated_batches(num_microbatches: int, micro_batch_size: int, seed: int = 0
 
 
 def tiny_config(tp=1, pp=1, ep=1, sp=False, **overrides):
-    from engram_train.models.deepseek_v3 import deepseek_v3_config
+    from engram_train.models.deepseek_v3.v3_config import deepseek_v3_config
     from engram_train.models.presets import backbone_preset
 
     fields = backbone_preset("deepseek_v3_tiny")

@@ -28,7 +28,7 @@ from megatron.core.models.gpt import GPTModel
 from engram_train.checkpoint import load_checkpoint, save_checkpoint
 from engram_train.config import EngramMLATransformerConfig
 from engram_train.models.builder import build_model
-from engram_train.models.specs import deepseek_v3_block_spec
+from engram_train.models.deepseek_v3.v3_specs import deepseek_v3_block_spec
 from engram_train.training.step import evaluate, run_forward_backward
 
 TOKENIZER = str(Path(__file__).resolve().parents[1] / "data" / "golden" / "tok_bpe4k")
