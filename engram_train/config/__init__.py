@@ -1,10 +1,11 @@
 """Every setting's type, default and one-line doc, in one place, at the bottom of the package
 order (nothing here imports another package of the project but `errors`).
 
-- `model`: `EngramConfig` (the Engram fields), its option names (`CHOICES`), `resolve` (a model
-  section with every Engram and mHC field defaulted and ``engram_hc_mult`` derived), and the
-  megatron configs composed with it (`EngramTransformerConfig`, `EngramMLATransformerConfig`,
-  built on first access: importing megatron-core takes seconds);
+- `model`: `EngramConfig` (the Engram fields and their validation) and `resolve` (a model
+  section with every Engram and mHC field defaulted and ``engram_hc_mult`` derived);
+- `choices`: the options that take one of a few names (`CHOICES`);
+- `composed`: the megatron configs composed with it (`EngramTransformerConfig`,
+  `EngramMLATransformerConfig`, built on first access: importing megatron-core takes seconds);
 - `mhc`: `HyperConnectionConfig` (the mHC backbone fields), `residual_streams`, the rule
   ``engram_hc_mult`` follows, and the default of the ``mhc`` recompute module;
 - `run`: the run config's typed sections (``experiment``, ``system``, ``train``,
@@ -14,24 +15,23 @@ order (nothing here imports another package of the project but `errors`).
 
 from __future__ import annotations
 
-from engram_train.config import model as _model
-from engram_train.config.mhc import (
-    HyperConnectionConfig,
-    check_hyper_connections,
-    require_int,
-    residual_streams,
-)
-from engram_train.config.model import (
+from engram_train.config import composed as _composed
+from engram_train.config.choices import (
     CHOICES,
     EMBEDDING_PARALLEL_METHODS,
     ENGRAM_TABLE_DTYPES,
     ENGRAM_VALUE_INITS,
     TABLE_OPTIMIZERS,
     TABLE_PLACEMENTS,
-    EngramConfig,
-    engram_table_dtype,
-    resolve,
 )
+from engram_train.config.composed import engram_table_dtype
+from engram_train.config.mhc import (
+    HyperConnectionConfig,
+    check_hyper_connections,
+    require_int,
+    residual_streams,
+)
+from engram_train.config.model import EngramConfig, resolve
 from engram_train.config.run import (
     SECTIONS,
     CheckpointConfig,
@@ -76,5 +76,5 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    """The megatron-composed configs, built by `model` on first access."""
-    return getattr(_model, name)
+    """The megatron-composed configs, built by `composed` on first access."""
+    return getattr(_composed, name)

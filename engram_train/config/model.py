@@ -1,9 +1,9 @@
-"""Engram configuration: one dataclass that also composes with megatron's TransformerConfig.
+"""Engram configuration: `EngramConfig`, every Engram field with the paper's defaults, its
+validation, and `resolve` (a model section with every Engram and mHC field present).
 
-`EngramConfig` holds every Engram field with the paper's defaults. The composed classes
-`EngramTransformerConfig` and `EngramMLATransformerConfig` inherit from megatron's config and
-from `EngramConfig`, so one object carries all fields and one `__post_init__` validates them.
-They are built on first access so that `import engram_train` does not import megatron.
+The option names live in `choices`; megatron's configs composed with `EngramConfig`
+(`EngramTransformerConfig`, `EngramMLATransformerConfig`) in `composed`, built on first access
+so that ``import engram_train`` does not import megatron.
 """
 
 from __future__ import annotations
@@ -11,53 +11,13 @@ from __future__ import annotations
 import dataclasses
 import numbers
 import os
-import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from engram_train.config.mhc import (
-    HyperConnectionConfig,
-    check_hyper_connections,
-    require_int,
-    residual_streams,
-    take_mhc_recompute_module,
-)
+from engram_train.config.choices import CHOICES
+from engram_train.config.mhc import HyperConnectionConfig, require_int, residual_streams
 
-EMBEDDING_PARALLEL_METHODS = ("alltoall", "allreduce")
-TABLE_OPTIMIZERS = ("sparse_adam", "adam", "rowwise_adam")
-OPTIMIZER_STATE_DTYPES = ("fp32", "bf16")
-ENGRAM_TABLE_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # config value -> torch dtype name
-ENGRAM_VALUE_INITS = ("normal", "zero")
-TABLE_PLACEMENTS = ("device", "host")
-
-# Every option that takes one of a few names: {field: (names, what they mean)}. Checked in one
-# place (`EngramConfig._check_choices`); the modules that implement an option trust it (the
-# table optimizers: training/engram_optimizer.TABLE_OPTIMIZER_BUILDERS).
-CHOICES = {
-    "engram_embedding_parallel_method": (
-        EMBEDDING_PARALLEL_METHODS,
-        "'alltoall' shards the tables over the Engram embedding-parallel group, 'allreduce' "
-        "over the tensor-parallel group (docs/embedding-parallel.md)"),
-    "engram_optimizer": (
-        TABLE_OPTIMIZERS,
-        "'sparse_adam' (row-wise, cost follows the tokens), 'rowwise_adam' (sparse, one second "
-        "moment per row) or 'adam' (dense, cost follows the table)"),
-    "engram_optimizer_state_dtype": (
-        OPTIMIZER_STATE_DTYPES,
-        "dtype of rowwise_adam's per-element first moment"),
-    "engram_table_dtype": (
-        tuple(ENGRAM_TABLE_DTYPES),
-        "fp32 (default) or bf16 tables with float32 optimizer masters; fp16 tables are not "
-        "supported"),
-    "engram_table_placement": (
-        TABLE_PLACEMENTS,
-        "'device' keeps the tables with the model, 'host' keeps them (and their optimizer "
-        "state) in host memory"),
-    "engram_value_init": (
-        ENGRAM_VALUE_INITS,
-        "'zero' starts the value projection at zero (the model keeps its function at step 0)"),
-}
 
 @dataclass
 class EngramConfig:
@@ -387,85 +347,3 @@ def resolve(model: Mapping[str, Any]) -> dict[str, Any]:
         out["engram_hc_mult"] = residual_streams(out["enable_hyper_connections"],
                                                  out["num_residual_streams"])
     return out
-
-
-# -- composition with megatron-core ---------------------------------------------------------
-
-_COMPOSED = {
-    "EngramTransformerConfig": "TransformerConfig",
-    "EngramMLATransformerConfig": "MLATransformerConfig",
-}
-
-
-def _check_megatron_backbone(config) -> None:
-    """Engram settings a megatron GPT backbone cannot honour. The standalone `EngramConfig`
-    (the reference module, export) accepts them; a megatron config refuses them here, once,
-    for the trainer and library users alike."""
-    if not config.use_engram:
-        return
-    if config.context_parallel_size > 1 and getattr(config, "hybrid_context_parallel", False):
-        raise ValueError(
-            "hybrid_context_parallel=true with use_engram=True: Engram's conv halo follows "
-            "megatron's zigzag split (get_batch_on_this_cp_rank), not hybrid CP's packing; set "
-            "hybrid_context_parallel: false"
-        )
-    if config.fp16:
-        raise ValueError(
-            "fp16 (system.precision=fp16) is not supported with use_engram=True: megatron's loss "
-            "scaler does not cover the Engram table gradients (an overflow there would not skip "
-            "the step). Use bf16 (system.precision=bf16) or fp32"
-        )
-
-
-def _compose(name: str, megatron_cls: type) -> type:
-    """Dataclass inheriting megatron's config, EngramConfig and HyperConnectionConfig; validates
-    megatron's fields, then mHC's (which resolve `engram_hc_mult`), then Engram's."""
-
-    def __post_init__(self) -> None:
-        mhc_recompute = take_mhc_recompute_module(self)  # a name megatron-core 0.16/0.19 refuse
-        megatron_cls.__post_init__(self)
-        check_hyper_connections(self, mhc_recompute)
-        EngramConfig.__post_init__(self)
-        self.validate_num_layers(self.num_layers)
-        self.validate_hidden_size(self.hidden_size)
-        _check_megatron_backbone(self)
-
-    namespace = {
-        "__post_init__": __post_init__,
-        "__module__": "engram_train.config",  # where users (and pickles) find it
-        "__qualname__": name,
-        "__doc__": f"megatron {megatron_cls.__name__} plus every EngramConfig field.",
-    }
-    return dataclass(type(name, (megatron_cls, EngramConfig, HyperConnectionConfig), namespace))
-
-
-def __getattr__(name: str) -> type:
-    # Built lazily: importing megatron takes seconds and most users of EngramConfig need not pay.
-    if name in _COMPOSED:
-        from megatron.core.transformer import transformer_config
-
-        cls = _compose(name, getattr(transformer_config, _COMPOSED[name]))
-        globals()[name] = cls
-        sys.modules["engram_train.config"].__dict__[name] = cls
-        return cls
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-if TYPE_CHECKING:  # pragma: no cover - static view of the lazily built classes
-    from megatron.core.transformer.transformer_config import (
-        MLATransformerConfig,
-        TransformerConfig,
-    )
-
-    @dataclass
-    class EngramTransformerConfig(TransformerConfig, EngramConfig, HyperConnectionConfig): ...
-
-    @dataclass
-    class EngramMLATransformerConfig(MLATransformerConfig, EngramConfig, HyperConnectionConfig): ...
-
-
-def engram_table_dtype(config):
-    """torch dtype of the Engram tables a validated config names (``engram_table_dtype``)."""
-    import torch
-
-    return getattr(torch, ENGRAM_TABLE_DTYPES[config.engram_table_dtype])
