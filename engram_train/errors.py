@@ -12,3 +12,16 @@ class EngramError(Exception):
 
 class ConfigError(EngramError, ValueError):
     """A run configuration that cannot work; the message names the key and the fix."""
+
+
+class ConfigTypeError(ConfigError, TypeError):
+    """A setting of the wrong type (a string where an int goes, ...); names the key and the type."""
+
+
+class InputError(EngramError, ValueError):
+    """An argument the Python API cannot work with (a tensor's shape, dtype or range, a value
+    out of its range); the message names the argument and what it must be."""
+
+
+class InputTypeError(InputError, TypeError):
+    """An argument of the wrong type; names the argument and the type it takes."""

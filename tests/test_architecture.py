@@ -199,3 +199,26 @@ def test_shared_blocks_and_families_keep_apart():
         "engram_train.models.other_family.blocks:1 imports engram_train.models.deepseek_v3 "
         "(other_family -> family deepseek_v3)",
     ]
+
+
+def bare_builtin_raises(sources: dict[str, str]) -> list[str]:
+    """``raise ValueError(...)``/``raise TypeError(...)``: errors that do not derive from
+    `EngramError` (errors.py: a class of the project keeps the built-in base)."""
+    found = []
+    for module, text in sources.items():
+        for node in ast.walk(ast.parse(text)):
+            if (isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call)
+                    and ast.unparse(node.exc.func) in ("ValueError", "TypeError")):
+                found.append(f"{module}:{node.lineno}")
+    return found
+
+
+def test_deliberate_errors_derive_from_the_root_where_raised():
+    """No bare ValueError/TypeError in config/ (a user of `EngramConfig` catches what the
+    trainer catches); a few elsewhere (internal invariants, modules kept byte-identical)."""
+    sources = project_sources()
+    bare = bare_builtin_raises(sources)
+    assert [b for b in bare if b.startswith("engram_train.config.")] == []
+    assert len(bare) <= 40, bare
+    sources["engram_train.config.synthetic"] = "def f(x):\n    raise TypeError(f'{x}')\n"
+    assert "engram_train.config.synthetic:2" in bare_builtin_raises(sources)

@@ -17,6 +17,7 @@ from engram_train.config.mhc import (
     take_mhc_recompute_module,
 )
 from engram_train.config.model import EngramConfig
+from engram_train.errors import ConfigError
 
 _COMPOSED = {
     "EngramTransformerConfig": "TransformerConfig",
@@ -31,13 +32,13 @@ def _check_megatron_backbone(config) -> None:
     if not config.use_engram:
         return
     if config.context_parallel_size > 1 and getattr(config, "hybrid_context_parallel", False):
-        raise ValueError(
+        raise ConfigError(
             "hybrid_context_parallel=true with use_engram=True: Engram's conv halo follows "
             "megatron's zigzag split (get_batch_on_this_cp_rank), not hybrid CP's packing; set "
             "hybrid_context_parallel: false"
         )
     if config.fp16:
-        raise ValueError(
+        raise ConfigError(
             "fp16 (system.precision=fp16) is not supported with use_engram=True: megatron's loss "
             "scaler does not cover the Engram table gradients (an overflow there would not skip "
             "the step). Use bf16 (system.precision=bf16) or fp32"

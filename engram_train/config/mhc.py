@@ -8,11 +8,13 @@ import numbers
 from dataclasses import dataclass
 from typing import Any
 
+from engram_train.errors import ConfigError, ConfigTypeError
+
 
 def require_int(name: str, value: Any, element: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         what = "entries" if element else "value"
-        raise TypeError(f"{name} {what} must be int, got {value!r}.")
+        raise ConfigTypeError(f"{name} {what} must be int, got {value!r}.")
 
 
 @dataclass
@@ -64,7 +66,7 @@ def resolve_mhc_recompute(config, requested: bool | None) -> None:
     and the Sinkhorn iterations (``docs/mhc.md``). ``recompute_modules`` without ``"mhc"``
     turns it off."""
     if requested and not config.enable_hyper_connections:
-        raise ValueError(
+        raise ConfigError(
             "recompute_modules contains 'mhc' but enable_hyper_connections=false: drop 'mhc' "
             "or set enable_hyper_connections: true"
         )
@@ -78,14 +80,14 @@ def check_hyper_connections(config, mhc_recompute: bool | None = None) -> None:
     """mHC rules, and `engram_hc_mult` resolved from the backbone (before Engram's checks);
     ``mhc_recompute``: ``take_mhc_recompute_module``'s answer."""
     if not isinstance(config.enable_hyper_connections, bool):
-        raise TypeError(
+        raise ConfigTypeError(
             f"enable_hyper_connections must be a bool, got {config.enable_hyper_connections!r}."
         )
     for name in ("num_residual_streams", "mhc_sinkhorn_iterations"):
         require_int(name, getattr(config, name))
     value = config.mhc_init_gating_factor
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"mhc_init_gating_factor must be a number, got {value!r}.")
+        raise ConfigTypeError(f"mhc_init_gating_factor must be a number, got {value!r}.")
     config.mhc_init_gating_factor = float(value)
     resolve_mhc_recompute(config, mhc_recompute)
     streams = residual_streams(config.enable_hyper_connections, config.num_residual_streams)
@@ -94,52 +96,52 @@ def check_hyper_connections(config, mhc_recompute: bool | None = None) -> None:
     # turning mHC on later must not be the first time it is noticed.
     off = "" if config.enable_hyper_connections else " (checked with enable_hyper_connections=false too)"
     if config.num_residual_streams < 1:
-        raise ValueError(
+        raise ConfigError(
             f"num_residual_streams={config.num_residual_streams} must be >= 1 (>= 2 with "
             f"enable_hyper_connections=true; DeepSeek uses 4){off}: set it to 4 or drop it"
         )
     if config.mhc_sinkhorn_iterations < 1:
-        raise ValueError(
+        raise ConfigError(
             f"mhc_sinkhorn_iterations={config.mhc_sinkhorn_iterations} must be >= 1{off}: set it "
             "to 20 (the default) or drop it"
         )
     if config.mhc_init_gating_factor < 0:
-        raise ValueError(
+        raise ConfigError(
             f"mhc_init_gating_factor={config.mhc_init_gating_factor} must be >= 0{off}: set it to "
             "0.01 (the default) or drop it"
         )
     if config.enable_hyper_connections:
         if config.num_residual_streams < 2:
-            raise ValueError(
+            raise ConfigError(
                 f"num_residual_streams={config.num_residual_streams} must be >= 2 with "
                 "enable_hyper_connections=true (DeepSeek uses 4); or set "
                 "enable_hyper_connections: false"
             )
         if getattr(config, "mtp_num_layers", None):
-            raise ValueError(
+            raise ConfigError(
                 "enable_hyper_connections=true with mtp_num_layers: multi-token prediction "
                 "layers take a single-stream input; set mtp_num_layers: null"
             )
         if (config.recompute_granularity == "selective"
                 and "layernorm" in (config.recompute_modules or [])):
-            raise ValueError(
+            raise ConfigError(
                 "enable_hyper_connections=true with recompute_modules containing 'layernorm': "
                 "the mHC layer does not recompute its norms; drop 'layernorm' (core_attn, mlp, "
                 "moe and the other modules are recomputed as usual)"
             )
         if getattr(config, "cuda_graph_impl", "none") not in (None, "none"):
-            raise ValueError(
+            raise ConfigError(
                 f"enable_hyper_connections=true with cuda_graph_impl={config.cuda_graph_impl!r}: "
                 "CUDA graphs of the mHC layer are not supported; set cuda_graph_impl: none"
             )
         if hc_mult is not None and hc_mult != streams:
-            raise ValueError(
+            raise ConfigError(
                 f"engram_hc_mult={hc_mult} differs from num_residual_streams={streams}: the "
                 "Engram branch reads and writes every residual stream. Leave engram_hc_mult "
                 f"unset (null: it follows the backbone) or set it to {streams}"
             )
     elif hc_mult is not None and hc_mult != 1 and config.use_engram:
-        raise ValueError(
+        raise ConfigError(
             f"engram_hc_mult={hc_mult} needs a multi-stream backbone: set "
             f"enable_hyper_connections: true and num_residual_streams: {hc_mult}, or leave "
             "engram_hc_mult unset (null) / 1 for the single-stream backbone"

@@ -17,6 +17,7 @@ from typing import Any
 
 from engram_train.config.choices import CHOICES
 from engram_train.config.mhc import HyperConnectionConfig, require_int, residual_streams
+from engram_train.errors import ConfigError, ConfigTypeError
 
 
 @dataclass
@@ -145,7 +146,7 @@ class EngramConfig:
         known = {f.name for f in dataclasses.fields(cls) if f.init}
         unknown = sorted(set(values) - known)
         if unknown:
-            raise ValueError(
+            raise ConfigError(
                 f"{cls.__name__}.from_dict: unknown field(s) {unknown}; fix the spelling or drop "
                 f"them (Engram fields: {list(cls.field_names())})."
             )
@@ -159,7 +160,7 @@ class EngramConfig:
             return
         bad = [i for i in self.engram_layer_ids if i >= num_layers]
         if bad:
-            raise ValueError(
+            raise ConfigError(
                 f"engram_layer_ids {bad} are out of range for num_layers={num_layers}: "
                 f"ids are 0-based global layer numbers, use values in [0, {num_layers - 1}]."
             )
@@ -169,26 +170,26 @@ class EngramConfig:
         if not self.use_engram:
             return
         if isinstance(hidden_size, bool) or not isinstance(hidden_size, numbers.Integral):
-            raise TypeError(f"hidden_size must be an int, got {hidden_size!r}.")
+            raise ConfigTypeError(f"hidden_size must be an int, got {hidden_size!r}.")
         if hidden_size < 1:
-            raise ValueError(f"hidden_size={hidden_size} must be >= 1 for Engram layers.")
+            raise ConfigError(f"hidden_size={hidden_size} must be >= 1 for Engram layers.")
 
     def _check_engram_types(self) -> None:
         """Each field against its annotation (the dataclass is the only list of types)."""
         for f in dataclasses.fields(EngramConfig):
             name, kind, value = f.name, f.type, getattr(self, f.name)
             if kind == "bool" and not isinstance(value, bool):
-                raise TypeError(f"{name} must be a bool (True/False), got {value!r}.")
+                raise ConfigTypeError(f"{name} must be a bool (True/False), got {value!r}.")
             if kind == "int" or (kind == "int | None" and value is not None):
                 require_int(name, value)
             if kind == "float":
                 if isinstance(value, bool) or not isinstance(value, numbers.Real):
-                    raise TypeError(f"{name} must be a number, got {value!r}.")
+                    raise ConfigTypeError(f"{name} must be a number, got {value!r}.")
                 setattr(self, name, float(value))
             if kind == "list[int]":
                 if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
                     # OmegaConf ListConfig is a Sequence; a bare int is the common mistake.
-                    raise TypeError(f"{name} must be a list of ints, got {value!r}.")
+                    raise ConfigTypeError(f"{name} must be a list of ints, got {value!r}.")
                 for item in value:
                     require_int(name, item, element=True)
                 ints = [int(v) for v in value]
@@ -202,7 +203,7 @@ class EngramConfig:
         path = self.engram_tokenizer_name_or_path
         if path is not None:
             if not isinstance(path, (str, os.PathLike)):
-                raise TypeError(
+                raise ConfigTypeError(
                     f"engram_tokenizer_name_or_path must be a path string, got {path!r}."
                 )
             self.engram_tokenizer_name_or_path = os.fspath(path)
@@ -213,94 +214,94 @@ class EngramConfig:
         for name, (allowed, meaning) in CHOICES.items():
             value = getattr(self, name)
             if not isinstance(value, str):
-                raise TypeError(f"{name} must be a string, one of {allowed}, got {value!r}.")
+                raise ConfigTypeError(f"{name} must be a string, one of {allowed}, got {value!r}.")
             if values and value not in allowed:
-                raise ValueError(f"{name}={value!r} must be one of {allowed}: {meaning}.")
+                raise ConfigError(f"{name}={value!r} must be one of {allowed}: {meaning}.")
 
     def _check_layer_ids(self) -> None:
         ids = self.engram_layer_ids
         if not ids:
-            raise ValueError(
+            raise ConfigError(
                 "engram_layer_ids is empty: list the layers to augment, or set use_engram=False."
             )
         negative = [i for i in ids if i < 0]
         if negative:
-            raise ValueError(
+            raise ConfigError(
                 f"engram_layer_ids {negative} are negative: use 0-based global layer numbers."
             )
         duplicates = sorted({i for i in ids if ids.count(i) > 1})
         if duplicates:
-            raise ValueError(f"engram_layer_ids repeats {duplicates}: list each layer once.")
+            raise ConfigError(f"engram_layer_ids repeats {duplicates}: list each layer once.")
 
     def _check_engram_values(self) -> None:
         self._check_choices(values=True)
         n = self.max_ngram_size
         if n < 2:
-            raise ValueError(
+            raise ConfigError(
                 f"max_ngram_size={n} must be >= 2: Engram hashes n-grams of orders "
                 "2..max_ngram_size."
             )
         if len(self.engram_vocab_size) != n - 1:
-            raise ValueError(
+            raise ConfigError(
                 f"engram_vocab_size has {len(self.engram_vocab_size)} entries but "
                 f"max_ngram_size={n} needs {n - 1} (one per n-gram order 2..{n}): "
                 "give one table size per order."
             )
         small = [v for v in self.engram_vocab_size if v < 2]
         if small:
-            raise ValueError(f"engram_vocab_size entries {small} must be >= 2 (table sizes).")
+            raise ConfigError(f"engram_vocab_size entries {small} must be >= 2 (table sizes).")
         if self.n_head_per_ngram < 1:
-            raise ValueError(f"n_head_per_ngram={self.n_head_per_ngram} must be >= 1.")
+            raise ConfigError(f"n_head_per_ngram={self.n_head_per_ngram} must be >= 1.")
         if self.n_embed_per_ngram < 1 or self.n_embed_per_ngram % self.n_head_per_ngram:
-            raise ValueError(
+            raise ConfigError(
                 f"n_embed_per_ngram={self.n_embed_per_ngram} must be a positive multiple of "
                 f"n_head_per_ngram={self.n_head_per_ngram}: each head's row width is "
                 "n_embed_per_ngram // n_head_per_ngram."
             )
         self._check_layer_ids()
         if self.engram_pad_id < 0:
-            raise ValueError(f"engram_pad_id={self.engram_pad_id} must be a raw token id >= 0.")
+            raise ConfigError(f"engram_pad_id={self.engram_pad_id} must be a raw token id >= 0.")
         if self.engram_seed < 0:
-            raise ValueError(
+            raise ConfigError(
                 f"engram_seed={self.engram_seed} must be >= 0 (numpy seeds are unsigned)."
             )
         if self.engram_kernel_size < 1:
-            raise ValueError(f"engram_kernel_size={self.engram_kernel_size} must be >= 1.")
+            raise ConfigError(f"engram_kernel_size={self.engram_kernel_size} must be >= 1.")
         if self.engram_hc_mult < 1:
-            raise ValueError(
+            raise ConfigError(
                 f"engram_hc_mult={self.engram_hc_mult} must be >= 1 (1 for a plain backbone)."
             )
         if self.engram_embedding_parallel_size < 1:
-            raise ValueError(
+            raise ConfigError(
                 "engram_embedding_parallel_size="
                 f"{self.engram_embedding_parallel_size} must be >= 1."
             )
         if self.engram_embedding_parallel_method == "allreduce" and self.engram_embedding_parallel_size != 1:
-            raise ValueError(
+            raise ConfigError(
                 "engram_embedding_parallel_size only applies to engram_embedding_parallel_method="
                 "'alltoall'; 'allreduce' shards the tables over the tensor-parallel group: set "
                 "engram_embedding_parallel_size=1 or use 'alltoall'."
             )
         if not self.engram_tokenizer_name_or_path:
-            raise ValueError(
+            raise ConfigError(
                 "engram_tokenizer_name_or_path is required when use_engram=True: give a local "
                 "tokenizer.json or the folder holding it."
             )
         if self.engram_reset_at_eos and self.engram_eos_id is None:
-            raise ValueError(
+            raise ConfigError(
                 "engram_reset_at_eos=True needs engram_eos_id: set it to the tokenizer's raw "
                 "EOS id."
             )
         if self.engram_eos_id is not None and self.engram_eos_id < 0:
-            raise ValueError(f"engram_eos_id={self.engram_eos_id} must be a raw token id >= 0.")
+            raise ConfigError(f"engram_eos_id={self.engram_eos_id} must be a raw token id >= 0.")
         if not self.engram_lr_multiplier > 0:
-            raise ValueError(
+            raise ConfigError(
                 f"engram_lr_multiplier={self.engram_lr_multiplier} must be > 0 (paper: 5.0)."
             )
         if self.engram_weight_decay < 0:
-            raise ValueError(f"engram_weight_decay={self.engram_weight_decay} must be >= 0.")
+            raise ConfigError(f"engram_weight_decay={self.engram_weight_decay} must be >= 0.")
         if not self.engram_init_std > 0:
-            raise ValueError(f"engram_init_std={self.engram_init_std} must be > 0.")
+            raise ConfigError(f"engram_init_std={self.engram_init_std} must be > 0.")
         self._check_table_precision()
 
     def _check_table_precision(self) -> None:
@@ -308,23 +309,23 @@ class EngramConfig:
         rowwise = self.engram_optimizer == "rowwise_adam"
         if not self.engram_master_weights:
             if self.engram_table_dtype != "bf16":
-                raise ValueError(
+                raise ConfigError(
                     "engram_master_weights=false applies to bf16 tables (an fp32 table is its own "
                     "master): set engram_table_dtype=bf16 or engram_master_weights=true."
                 )
             if not rowwise:
-                raise ValueError(
+                raise ConfigError(
                     f"engram_master_weights=false needs engram_optimizer=rowwise_adam (got "
                     f"{self.engram_optimizer!r}): it is the optimizer that rounds stochastically."
                 )
             if self.engram_offload_embedding_optimizer_states:
-                raise ValueError(
+                raise ConfigError(
                     "engram_master_weights=false with engram_offload_embedding_optimizer_states: "
                     "there is no master to offload; use engram_table_placement=host to keep the "
                     "tables and their state in host memory."
                 )
         if self.engram_optimizer_state_dtype != "fp32" and not rowwise:
-            raise ValueError(
+            raise ConfigError(
                 f"engram_optimizer_state_dtype={self.engram_optimizer_state_dtype!r} needs "
                 f"engram_optimizer=rowwise_adam (got {self.engram_optimizer!r})."
             )

@@ -34,6 +34,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from engram_train.errors import InputError
+
 HASH_KEY = "engram_hash_ids"
 
 
@@ -74,18 +76,18 @@ class MicroBatchIterator:
             ("data-parallel size", dp_size),
         ):
             if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+                raise InputError(f"{name} must be a positive integer, got {value!r}.")
         if global_batch_size % (micro_batch_size * dp_size):
-            raise ValueError(
+            raise InputError(
                 f"global_batch_size ({global_batch_size}) must be divisible by micro_batch_size "
                 f"({micro_batch_size}) x data-parallel size ({dp_size}) = "
                 f"{micro_batch_size * dp_size}."
             )
         if not 0 <= dp_rank < dp_size:
-            raise ValueError(f"dp_rank must be in [0, {dp_size}), got {dp_rank}.")
+            raise InputError(f"dp_rank must be in [0, {dp_size}), got {dp_rank}.")
         step = micro_batch_size * dp_size
         if consumed_samples < 0 or consumed_samples % step:
-            raise ValueError(
+            raise InputError(
                 f"consumed_samples ({consumed_samples}) must be a non-negative multiple of "
                 f"micro_batch_size x data-parallel size ({step})."
             )
@@ -153,7 +155,7 @@ class HashPrefetchIterator:
         depth: int = 1,
     ) -> None:
         if not isinstance(depth, int) or depth < 1:
-            raise ValueError(f"depth must be a positive int (micro-batches hashed ahead), got {depth!r}")
+            raise InputError(f"depth must be a positive int (micro-batches hashed ahead), got {depth!r}")
         self._batches = iter(batches)
         self._hash_fn = hash_fn
         self.prefetch = prefetch

@@ -348,10 +348,10 @@ def build_gpt_datasets(
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
     if seq_length <= 0:
-        raise ValueError(f"seq_length must be positive, got {seq_length}.")
+        raise DatasetError(f"seq_length must be positive, got {seq_length}.")
     num_samples = list(num_samples)
     if len(num_samples) != 3:
-        raise ValueError(f"num_samples must be (train, valid, test), got {num_samples!r}.")
+        raise DatasetError(f"num_samples must be (train, valid, test), got {num_samples!r}.")
     prefixes, weights, train_tokens = _check_blend(data_path, split, num_samples)
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     if not distributed or torch.distributed.get_rank() == 0:

@@ -94,7 +94,7 @@ def iter_documents(
     """
     path = Path(path)
     if text_doc not in TEXT_DOC_MODES:
-        raise ValueError(f"text_doc must be one of {TEXT_DOC_MODES}, got {text_doc!r}")
+        raise PreprocessError(f"text_doc must be one of {TEXT_DOC_MODES}, got {text_doc!r}")
     tick = on_bytes or (lambda n: None)
     hint = " (or pass --skip-bad-lines to skip such lines)"
 

@@ -25,6 +25,7 @@ from megatron.core.tokenizers import MegatronTokenizerBase
 
 from engram_train.engram.compressed_tokenizer import TokenizerNotFoundError  # noqa: F401  (re-exported)
 from engram_train.engram.compressed_tokenizer import resolve_tokenizer_file as _resolve
+from engram_train.errors import ConfigError
 
 # Looked up in order when the tokenizer folder has no tokenizer_config.json naming an EOS token.
 EOD_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[SEP]")
@@ -73,7 +74,7 @@ class HFTokenizer(MegatronTokenizerBase):
             eod_token or _token_str(cfg.get("eos_token")) or self._first(EOD_CANDIDATES)
         )
         if self.eod_token is None:
-            raise ValueError(
+            raise ConfigError(
                 f"{file}: cannot tell the end-of-document token; none of {EOD_CANDIDATES} is in "
                 "the vocabulary. Pass eod_token (preprocess: --eod-token)."
             )
@@ -92,7 +93,7 @@ class HFTokenizer(MegatronTokenizerBase):
     def _id(self, token: str, what: str) -> int:
         i = self._tok.token_to_id(token)
         if i is None:
-            raise ValueError(f"{self.file}: {what} {token!r} is not in the vocabulary.")
+            raise ConfigError(f"{self.file}: {what} {token!r} is not in the vocabulary.")
         return i
 
     # ---- encoding

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engram_train.errors import ConfigError
+from engram_train.errors import ConfigError, InputError, InputTypeError
 
 # Bump when the key rule or the normalizer changes: old cache files then stop matching.
 _CACHE_FORMAT = "v1"
@@ -172,9 +172,9 @@ def check_raw_ids(ids: np.ndarray | torch.Tensor, num_raw_ids: int) -> None:
     """Raise a ValueError naming the first id outside [0, num_raw_ids)."""
     if isinstance(ids, torch.Tensor):
         if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
-            raise TypeError(f"token ids must be an integer tensor, got dtype {ids.dtype}.")
+            raise InputTypeError(f"token ids must be an integer tensor, got dtype {ids.dtype}.")
     elif not np.issubdtype(ids.dtype, np.integer):
-        raise TypeError(f"token ids must be an integer array, got dtype {ids.dtype}.")
+        raise InputTypeError(f"token ids must be an integer array, got dtype {ids.dtype}.")
     if math.prod(ids.shape) == 0:
         return
     lo, hi = int(ids.min()), int(ids.max())
@@ -184,7 +184,7 @@ def check_raw_ids(ids: np.ndarray | torch.Tensor, num_raw_ids: int) -> None:
     flat = ids.reshape(-1)
     first = int((flat == bad_value).nonzero()[0][0])
     index = tuple(int(i) for i in np.unravel_index(first, tuple(ids.shape)))
-    raise ValueError(
+    raise InputError(
         f"token id {bad_value} at index {index} is outside the tokenizer's range [0, "
         f"{num_raw_ids}): the data was tokenized with another tokenizer than "
         "engram_tokenizer_name_or_path, or holds a sentinel; fix the data or the tokenizer path."

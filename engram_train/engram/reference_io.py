@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from engram_train.engram.engram_module import Engram
+from engram_train.errors import InputError
 
 REFERENCE_TABLE = "multi_head_embedding.embedding.weight"
 PROJECT_TABLE = "multi_head_embedding.weight"
@@ -47,7 +48,7 @@ def load_reference_state_dict(
         if name == OFFSETS:
             expected = engram.multi_head_embedding.offsets
             if not torch.equal(value.to(expected.device, torch.int64), expected):
-                raise ValueError(
+                raise InputError(
                     f"{ref_name} {value.tolist()} differ from this module's {expected.tolist()}:"
                     " engram_vocab_size, n_head_per_ngram, max_ngram_size or engram_layer_ids "
                     "differ from the checkpoint's config; use the same values."
@@ -85,4 +86,4 @@ def load_reference_state_dict(
     if strict and missing:
         problems.append(f"missing from the checkpoint: {[reference_name(n) for n in missing]}")
     if problems:
-        raise ValueError("load_reference_state_dict: " + "; ".join(problems))
+        raise InputError("load_reference_state_dict: " + "; ".join(problems))

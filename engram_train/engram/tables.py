@@ -17,6 +17,7 @@ from torch import nn
 from engram_train.engram.ngram_hash import head_offsets
 from engram_train.engram.host_table import is_host_resident, make_host_resident
 from engram_train.engram.row_grad import gather_rows
+from engram_train.errors import InputError
 
 INIT_BLOCK_ROWS = 4096
 """Rows per independently seeded init block. Part of the init's definition: changing it
@@ -56,7 +57,7 @@ def partition_invariant_normal_(
     (seed, layer_id, block) and sliced, so any row range reproduces the single-rank values.
     """
     if weight.ndim != 2:
-        raise ValueError(f"expected a [rows, dim] table, got shape {tuple(weight.shape)}.")
+        raise InputError(f"expected a [rows, dim] table, got shape {tuple(weight.shape)}.")
     if weight.is_meta or weight.shape[0] == 0:
         return weight
     num_rows, dim = weight.shape
@@ -109,7 +110,7 @@ class MultiHeadEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         if placement not in ("device", "host"):
-            raise ValueError(f"placement={placement!r} must be 'device' or 'host'.")
+            raise InputError(f"placement={placement!r} must be 'device' or 'host'.")
         self.head_sizes = [int(n) for n in head_sizes]
         self.num_heads = len(self.head_sizes)
         self.embedding_dim = int(embedding_dim)
@@ -120,14 +121,14 @@ class MultiHeadEmbedding(nn.Module):
         self.parallel = parallel
         if parallel is not None:
             if row_start != 0 or row_end is not None:
-                raise ValueError(
+                raise InputError(
                     "give either row_start/row_end or an embedding-parallel method, not both: "
                     "the method decides which rows this rank holds."
                 )
             row_start, row_end = parallel.row_range(self.num_rows)
         row_end = self.num_rows if row_end is None else int(row_end)
         if not 0 <= row_start <= row_end <= self.num_rows:
-            raise ValueError(
+            raise InputError(
                 f"row range [{row_start}, {row_end}) must lie within the layer's table "
                 f"[0, {self.num_rows})."
             )
@@ -166,7 +167,7 @@ class MultiHeadEmbedding(nn.Module):
     def table_rows(self, hash_ids: torch.Tensor) -> torch.Tensor:
         """Head-local hashes [..., K] -> global table rows [..., K]."""
         if hash_ids.shape[-1] != self.num_heads:
-            raise ValueError(
+            raise InputError(
                 f"hash ids have {hash_ids.shape[-1]} heads in their last dim, this layer's table "
                 f"has {self.num_heads} ((max_ngram_size - 1) * n_head_per_ngram)."
             )
@@ -218,7 +219,7 @@ class MultiHeadEmbedding(nn.Module):
         )
 
         if sharded_offsets:
-            raise ValueError(
+            raise InputError(
                 f"Engram table of layer {self.layer_id} got sharded offsets {sharded_offsets}: "
                 "Engram layers are not homogeneous, build the model's sharded state dict with "
                 "metadata={'non_homogeneous_layers': True} (engram_train.checkpoint.state does)."

@@ -165,7 +165,7 @@ class DistCheckpointReader:
         for item in self.read_items(key):
             with block(tuple(item.dest_offsets), tuple(item.lengths)) as target:
                 if tuple(target.shape) != tuple(item.lengths):
-                    raise ValueError(f"{key}: destination block {tuple(target.shape)} for a "
+                    raise CheckpointFormatError(f"{key}: destination block {tuple(target.shape)} for a "
                                      f"stored chunk of {tuple(item.lengths)}")
                 self._reader.read_data(LoadPlan([item]), _IntoBlock(target)).wait()
                 del target
@@ -173,7 +173,7 @@ class DistCheckpointReader:
     def read_into(self, key: str, target: torch.Tensor) -> None:
         """Copy tensor `key` into `target` (its global shape), one stored chunk at a time."""
         if tuple(target.shape) != self.tensors[key].shape:
-            raise ValueError(f"{key}: target of shape {tuple(target.shape)}, stored global shape "
+            raise CheckpointFormatError(f"{key}: target of shape {tuple(target.shape)}, stored global shape "
                              f"{self.tensors[key].shape}")
 
         def block(offsets, lengths):

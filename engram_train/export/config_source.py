@@ -19,6 +19,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from engram_train.config import EngramConfig, resolve
+from engram_train.errors import ConfigError
 from engram_train.export.errors import ExportError
 from engram_train.training.run_identity import ENGRAM_DERIVED, ENGRAM_FIELDS, engram_identity
 
@@ -156,7 +157,7 @@ def engram_from_run_config(doc: dict, where: str):
     fields = {k: resolved[k] for k in EngramConfig.field_names()}
     try:
         engram = EngramConfig.from_dict(fields)
-    except (TypeError, ValueError) as err:
+    except ConfigError as err:  # names the field; the export names the file
         raise ExportError(f"{where}: model section: {err}") from None
     hidden = model.get("hidden_size")
     if isinstance(hidden, bool) or not isinstance(hidden, int) or hidden < 1:

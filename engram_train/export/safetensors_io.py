@@ -25,8 +25,15 @@ from pathlib import Path
 
 import torch
 
+from engram_train.errors import EngramError, InputTypeError
+
 DATA_ALIGNMENT = 64
 _HEADER_LIMIT = 100_000_000  # the safetensors library refuses larger headers
+
+
+class SafetensorsError(EngramError, ValueError):
+    """A file that is not a well-formed safetensors file, or a write that does not fit its
+    header (names the file or tensor)."""
 
 DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.float64: "F64",
@@ -77,7 +84,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
     try:
         return DTYPE_NAMES[dtype]
     except KeyError:
-        raise TypeError(f"dtype {dtype} has no safetensors name; supported: "
+        raise InputTypeError(f"dtype {dtype} has no safetensors name; supported: "
                         f"{sorted(DTYPE_NAMES.values())}") from None
 
 
@@ -88,7 +95,7 @@ def layout(specs: Iterable[TensorSpec], metadata: Mapping[str, str] | None = Non
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
         duplicates = sorted({n for n in names if names.count(n) > 1})
-        raise ValueError(f"duplicate tensor names: {duplicates}")
+        raise SafetensorsError(f"duplicate tensor names: {duplicates}")
     ordered = sorted(specs, key=lambda s: (-_itemsize(s.dtype), s.name))
     header: dict[str, object] = {}
     if metadata:
@@ -106,7 +113,7 @@ def layout(specs: Iterable[TensorSpec], metadata: Mapping[str, str] | None = Non
     padded = -(-(8 + len(text)) // DATA_ALIGNMENT) * DATA_ALIGNMENT - 8
     text += b" " * (padded - len(text))  # spaces after the JSON: allowed by the format
     if len(text) > _HEADER_LIMIT:
-        raise ValueError(f"safetensors header of {len(text)} bytes exceeds {_HEADER_LIMIT}")
+        raise SafetensorsError(f"safetensors header of {len(text)} bytes exceeds {_HEADER_LIMIT}")
     data_start = 8 + len(text)
     entries = {
         s.name: TensorEntry(s.name, s.dtype, tuple(s.shape), data_start + relative[s.name][0],
@@ -147,7 +154,7 @@ class SafetensorsWriter:
         if len(offsets) != len(shape) or len(lengths) != len(shape) or any(
             o < 0 or n < 0 or o + n > d for o, n, d in zip(offsets, lengths, shape)
         ):
-            raise ValueError(f"{name}: block at {offsets} of size {lengths} is outside {shape}")
+            raise SafetensorsError(f"{name}: block at {offsets} of size {lengths} is outside {shape}")
         if math.prod(lengths) == 0:
             yield torch.empty(lengths, dtype=entry.dtype)
             return
@@ -173,7 +180,7 @@ class SafetensorsWriter:
     def write(self, name: str, value: torch.Tensor) -> None:
         """Copy a whole tensor (cast to the file's dtype)."""
         if tuple(value.shape) != self.entries[name].shape:
-            raise ValueError(f"{name}: value of shape {tuple(value.shape)} for a tensor of shape "
+            raise SafetensorsError(f"{name}: value of shape {tuple(value.shape)} for a tensor of shape "
                              f"{self.entries[name].shape}")
         with self.region(name) as target:
             target.copy_(value)
@@ -201,25 +208,25 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, TensorEntry], dict[s
     with open(path, "rb") as f:
         prefix = f.read(8)
         if len(prefix) < 8:
-            raise ValueError(f"{path} is not a safetensors file: shorter than 8 bytes")
+            raise SafetensorsError(f"{path} is not a safetensors file: shorter than 8 bytes")
         (length,) = struct.unpack("<Q", prefix)
         if length > min(_HEADER_LIMIT, size - 8):
-            raise ValueError(f"{path} is not a safetensors file: header length {length} "
+            raise SafetensorsError(f"{path} is not a safetensors file: header length {length} "
                              f"does not fit the file ({size} bytes)")
         try:
             header = json.loads(f.read(length))
         except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise ValueError(f"{path} is not a safetensors file: bad header ({err})") from None
+            raise SafetensorsError(f"{path} is not a safetensors file: bad header ({err})") from None
     metadata = header.pop("__metadata__", None) or {}
     data_start = 8 + length
     entries = {}
     for name, info in header.items():
         if info["dtype"] not in DTYPES:
-            raise ValueError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
+            raise SafetensorsError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
         begin, end = info["data_offsets"]
         dtype, shape = DTYPES[info["dtype"]], tuple(int(d) for d in info["shape"])
         if end - begin != math.prod(shape) * _itemsize(dtype) or data_start + end > size:
-            raise ValueError(f"{path}: tensor {name} has a byte range [{begin}, {end}) that does "
+            raise SafetensorsError(f"{path}: tensor {name} has a byte range [{begin}, {end}) that does "
                              f"not match its shape {shape} and dtype or the file size")
         entries[name] = TensorEntry(name, dtype, shape, data_start + begin, data_start + end)
     return entries, metadata

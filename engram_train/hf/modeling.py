@@ -38,6 +38,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
 # The package modules below depend on torch and numpy only; the export copies them (and this
 # file) into the folder with these imports made relative (engram_train/hf/remote_code.py).
 from engram_train.engram.engram_module import Engram, ShortConv
+from engram_train.errors import InputError
 from engram_train.hf.configuration import MODEL_TYPE, EngramDeepseekV3Config
 from engram_train.inference.incremental_hash import (
     IncrementalNgramHasher,
@@ -54,7 +55,7 @@ def _engram_fields(config: EngramDeepseekV3Config) -> SimpleNamespace | None:
     missing = [k for k in ("engram_layer_ids", "max_ngram_size", "n_head_per_ngram",
                            "n_embed_per_ngram", "num_raw_ids", "table_rows") if k not in fields]
     if missing:
-        raise ValueError(f"config.engram lacks {missing}: export the model with engram-export "
+        raise InputError(f"config.engram lacks {missing}: export the model with engram-export "
                          "--format hf")
     if fields.get("engram_hc_mult") is None:  # follows the backbone (config.resolve's rule)
         fields["engram_hc_mult"] = _num_streams(config)
@@ -140,7 +141,7 @@ class StreamingShortConv(nn.Module):
     def forward(self, x: torch.Tensor, left_context: torch.Tensor | None = None,
                 document_distance: torch.Tensor | None = None) -> torch.Tensor:
         if left_context is not None:
-            raise ValueError("StreamingShortConv continues from its state: no left_context")
+            raise InputError("StreamingShortConv continues from its state: no left_context")
         seq, batch, streams, width = x.shape
         normed = self.inner.normalize(x).permute(1, 2, 0)  # [B, G*d, S]
         if self.keep is not None:
@@ -151,7 +152,7 @@ class StreamingShortConv(nn.Module):
             y = self.inner.conv(y)
         else:
             if document_distance.shape != (seq, batch):
-                raise ValueError(f"document_distance {tuple(document_distance.shape)} must be "
+                raise InputError(f"document_distance {tuple(document_distance.shape)} must be "
                                  f"[S, B] = [{seq}, {batch}]")
             y = self.inner._conv_within_documents(y, document_distance)
         y = nn.functional.silu(y)
@@ -261,7 +262,7 @@ class EngramDeepseekV3Model(DeepseekV3Model):
         engram_layers = set(self.engram_hash.layer_ids) if fields is not None else set()
         for layer in engram_layers:
             if not 0 <= layer < config.num_hidden_layers:
-                raise ValueError(f"engram_layer_ids has {layer}, outside the model's "
+                raise InputError(f"engram_layer_ids has {layer}, outside the model's "
                                  f"{config.num_hidden_layers} layers")
         classes = {(True, False): EngramDeepseekV3DecoderLayer,
                    (False, True): HyperConnectionDecoderLayer,
@@ -288,7 +289,7 @@ class EngramDeepseekV3Model(DeepseekV3Model):
         state = getattr(cache, "engram_state", None) if cache is not None else None
         if state is not None and cache.get_seq_length() > 0:
             if state.history.shape[0] != batch:
-                raise ValueError(f"the cache holds {state.history.shape[0]} sequences, the input "
+                raise InputError(f"the cache holds {state.history.shape[0]} sequences, the input "
                                  f"{batch}: Engram's decoding state cannot be reordered")
             return state
         hasher = self.engram_hash.hasher()
@@ -340,7 +341,7 @@ class EngramDeepseekV3Model(DeepseekV3Model):
             return super().forward(input_ids, *args, inputs_embeds=inputs_embeds,
                                    use_cache=use_cache, **kwargs)
         if input_ids is None:
-            raise ValueError("Engram hashes token ids: call the model with input_ids (not "
+            raise InputError("Engram hashes token ids: call the model with input_ids (not "
                              "inputs_embeds)")
         cache = kwargs.pop("cache", None) or kwargs.pop("past_key_values", None)
         use_cache = self.config.use_cache if use_cache is None else use_cache
@@ -375,7 +376,7 @@ def _kept_positions(attention_mask, length: int) -> torch.Tensor | None:
     mask = attention_mask.bool()
     started = mask.long().cumsum(-1) > 0
     if bool((started & ~mask).any()):
-        raise ValueError("attention_mask pads a row after its tokens (right padding): Engram "
+        raise InputError("attention_mask pads a row after its tokens (right padding): Engram "
                          "skips padding only before a row's tokens; pad on the left "
                          "(tokenizer.padding_side = 'left')")
     keep = mask[:, -length:]
@@ -398,7 +399,7 @@ class EngramDeepseekV3ForCausalLM(DeepseekV3ForCausalLM):
         config = kwargs.get("generation_config") or self.generation_config
         beams = kwargs.get("num_beams", getattr(config, "num_beams", 1)) or 1
         if beams > 1:
-            raise ValueError(f"num_beams={beams}: beam search is not supported with Engram (its "
+            raise InputError(f"num_beams={beams}: beam search is not supported with Engram (its "
                              "decoding state is not reordered with the cache); use num_beams=1")
         return super().generate(*args, **kwargs)
 

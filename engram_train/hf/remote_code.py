@@ -26,6 +26,7 @@ MODULES = {
     "engram_train.engram.engram_module": "engram_module.py",
     "engram_train.models.hyper_connection": "hyper_connection.py",
     "engram_train.inference.incremental_hash": "incremental_hash.py",
+    "engram_train.errors": "engram_errors.py",
 }
 AUTO_MAP = {
     "AutoConfig": "configuration_engram_deepseek_v3.EngramDeepseekV3Config",

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from engram_train.errors import InputError, InputTypeError
 
 
 class IncrementalNgramHasher:
@@ -43,10 +44,10 @@ class IncrementalNgramHasher:
         self.primes = {int(k): np.asarray(v, dtype=np.int64) for k, v in primes.items()}
         for layer in self.layer_ids:
             if self.multipliers[layer].shape != (self.max_ngram_size,):
-                raise ValueError(f"layer {layer}: {self.multipliers[layer].shape[0]} multipliers "
+                raise InputError(f"layer {layer}: {self.multipliers[layer].shape[0]} multipliers "
                                  f"for max_ngram_size={self.max_ngram_size}")
             if self.primes[layer].shape != (self.num_heads,):
-                raise ValueError(f"layer {layer}: {self.primes[layer].shape[0]} primes for "
+                raise InputError(f"layer {layer}: {self.primes[layer].shape[0]} primes for "
                                  f"{self.num_heads} heads")
         self.pad_id = int(pad_id)
         self.eos_id = None if eos_id is None else int(eos_id)
@@ -64,7 +65,7 @@ class IncrementalNgramHasher:
         place. Returns head-local hashes, int64 [L, B, T, K] in `layer_ids` order."""
         ids = np.asarray(token_ids)
         if ids.ndim != 2 or history.ndim != 2 or ids.shape[0] != history.shape[0]:
-            raise ValueError(f"token_ids must be [B, T] for B={history.shape[0]} sequences, got "
+            raise InputError(f"token_ids must be [B, T] for B={history.shape[0]} sequences, got "
                              f"shape {tuple(ids.shape)}")
         check_prompt_ids(ids, self.num_raw_ids)
         ids = ids.astype(np.int64, copy=False)
@@ -106,7 +107,7 @@ class IncrementalNgramHasher:
 def check_prompt_ids(ids: np.ndarray, num_raw_ids: int) -> None:
     """Raise naming the expected dtype (integers) or the first id outside [0, num_raw_ids)."""
     if not np.issubdtype(ids.dtype, np.integer):
-        raise TypeError(f"token ids must be integers (torch.int64 / numpy.int64, or nested lists of "
+        raise InputTypeError(f"token ids must be integers (torch.int64 / numpy.int64, or nested lists of "
                         f"ints), got dtype {ids.dtype}")
     if ids.size == 0:
         return
@@ -115,7 +116,7 @@ def check_prompt_ids(ids: np.ndarray, num_raw_ids: int) -> None:
         return
     bad = lo if lo < 0 else hi
     index = tuple(int(i) for i in np.unravel_index(int(np.argmax(ids == bad)), ids.shape))
-    raise ValueError(
+    raise InputError(
         f"token id {bad} at [sequence, position] {list(index)} of the prompt is outside the "
         f"export's tokenizer range [0, {num_raw_ids}): the prompt was tokenized with another "
         "tokenizer. Tokenize prompts with the export's tokenizer.json "

@@ -30,6 +30,7 @@ from torch import nn
 
 from engram_train.engram.engram_module import Engram, ShortConv
 from engram_train.engram.reference_io import load_reference_state_dict
+from engram_train.errors import InputError, InputTypeError
 from engram_train.export.format import (
     HASH_FILE,
     LOOKUP_TENSOR,
@@ -147,7 +148,7 @@ class EngramMemory:
         tables: str = "map",
     ) -> None:
         if tables not in TABLE_MEMORY:
-            raise ValueError(f"tables={tables!r} must be one of {TABLE_MEMORY}")
+            raise InputError(f"tables={tables!r} must be one of {TABLE_MEMORY}")
         self.export: ExportedEngram = load_export_config(path)
         self.path = Path(path)
         self.device = torch.device(device)
@@ -155,7 +156,7 @@ class EngramMemory:
         wanted = list(e.layer_ids) if layer_ids is None else [int(i) for i in layer_ids]
         unknown = sorted(set(wanted) - set(e.layer_ids))
         if unknown:
-            raise ValueError(f"layer_ids {unknown} are not Engram layers of this export "
+            raise InputError(f"layer_ids {unknown} are not Engram layers of this export "
                              f"({list(e.layer_ids)})")
         self.layer_ids = wanted
 
@@ -300,14 +301,14 @@ class EngramMemory:
         module = self.layers[str(layer_id)]
         dtype = self._dtype(layer_id)
         if hidden_states.dtype != dtype:
-            raise TypeError(
+            raise InputTypeError(
                 f"layer {layer_id}: hidden_states has dtype {hidden_states.dtype}, this EngramMemory "
                 f"runs in {dtype} (its dtype argument, or the export's): pass "
                 f"hidden_states.to({dtype})"
             )
         steps = hidden_states.shape[1]
         if state.applied[layer_id] + steps > state.hashed:
-            raise ValueError(
+            raise InputError(
                 f"layer {layer_id}: {steps} positions given, but only "
                 f"{state.hashed - state.applied[layer_id]} hashed tokens are waiting: call hash "
                 "(or prefetch) with the new tokens first"
@@ -356,7 +357,7 @@ class EngramMemory:
         file = resolve_tokenizer_file(tokenizer_file, field="tokenizer_file")
         digest = hashlib.sha256(file.read_bytes()).hexdigest()
         if digest != self.export.tokenizer_sha256:
-            raise ValueError(
+            raise InputError(
                 f"{file} (sha256 {digest[:12]}...) is not the tokenizer this export was trained "
                 f"with (sha256 {self.export.tokenizer_sha256[:12]}...): every Engram address "
                 "would change; serve with the export's tokenizer.json"

@@ -16,6 +16,7 @@ import torch
 from engram_train.engram.reference_io import project_name
 from engram_train.export.format import BACKBONE_INDEX, load_export_config
 from engram_train.export.safetensors_io import MappedSafetensors
+from engram_train.errors import InputError
 
 # megatron's dist-checkpoint key of a SequentialMLP's experts: one [num_experts, out, in] tensor.
 _STACKED_EXPERTS = re.compile(r"^(.+\.mlp\.experts)\.experts\.(linear_fc[12]\.weight)$")
@@ -26,7 +27,7 @@ def load_layer_state(path: str | os.PathLike, layer_id: int) -> dict[str, torch.
     ``load_state_dict`` takes them as they are)."""
     export = load_export_config(path)
     if layer_id not in export.layers:
-        raise ValueError(f"layer {layer_id} is not an Engram layer of {path} "
+        raise InputError(f"layer {layer_id} is not an Engram layer of {path} "
                          f"({list(export.layer_ids)})")
     file = MappedSafetensors(Path(path) / export.layers[layer_id].file)
     return {name: file.tensor(name) for name in file.keys()}

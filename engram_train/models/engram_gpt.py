@@ -24,6 +24,8 @@ from __future__ import annotations
 import torch
 from megatron.core.models.gpt.gpt_model import GPTModel
 
+from engram_train.errors import ConfigError, InputError
+
 
 def check_hash_ids(hash_ids: torch.Tensor, layer_ids: list[int], documents: bool = False
                    ) -> torch.Tensor:
@@ -32,12 +34,12 @@ def check_hash_ids(hash_ids: torch.Tensor, layer_ids: list[int], documents: bool
     ``NgramHashMapping.hash_block``)."""
     slices = (len(layer_ids), len(layer_ids) + 1) if documents else (len(layer_ids),)
     if hash_ids.ndim != 4 or hash_ids.shape[0] not in slices:
-        raise ValueError(
+        raise InputError(
             f"engram_hash_ids must be [{' or '.join(map(str, slices))}, B, S, K] (one slice per "
             f"Engram layer, as NgramHashMapping.hash_block returns), got {tuple(hash_ids.shape)}"
         )
     if hash_ids.dtype != torch.int64:
-        raise ValueError(f"engram_hash_ids must be int64, got {hash_ids.dtype}")
+        raise InputError(f"engram_hash_ids must be int64, got {hash_ids.dtype}")
     return hash_ids
 
 
@@ -47,7 +49,7 @@ class EngramGPTModel(GPTModel):
     def __init__(self, config, transformer_layer_spec, *args, **kwargs):
         # The Engram rules themselves ran when the config was built (engram_train.config).
         if not getattr(config, "use_engram", False):
-            raise ValueError(
+            raise ConfigError(
                 "EngramGPTModel needs use_engram=True; build megatron's GPTModel otherwise"
             )
         super().__init__(config, transformer_layer_spec, *args, **kwargs)
@@ -60,7 +62,7 @@ class EngramGPTModel(GPTModel):
             from engram_train.engram.ngram_hash import NgramHashMapping
 
             if not self.config.engram_tokenizer_name_or_path:
-                raise ValueError(
+                raise ConfigError(
                     "the batch has no engram_hash_ids and engram_tokenizer_name_or_path is unset: "
                     "set it (model.engram_tokenizer_name_or_path) or hash in the data path"
                 )
@@ -80,11 +82,11 @@ class EngramGPTModel(GPTModel):
         layer_ids = list(self.config.engram_layer_ids)
         if engram_hash_ids is None:
             if input_ids is None:
-                raise ValueError(
+                raise InputError(
                     "EngramGPTModel needs input_ids or engram_hash_ids on every pipeline stage"
                 )
             if self.config.context_parallel_size > 1:
-                raise ValueError(
+                raise InputError(
                     "context_parallel_size > 1 needs engram_hash_ids from the data path: n-grams "
                     "at a chunk's first positions need the tokens of the chunk before it, so the "
                     "ids are hashed on the whole sequence and split with the tokens "
@@ -96,13 +98,13 @@ class EngramGPTModel(GPTModel):
         if documents and block.shape[0] == len(layer_ids):
             block = self._with_documents(block, input_ids)
         if input_ids is not None and tuple(block.shape[1:3]) != tuple(input_ids.shape):
-            raise ValueError(
+            raise InputError(
                 f"engram_hash_ids {tuple(block.shape)} do not match input_ids "
                 f"{tuple(input_ids.shape)}: expected [{len(layer_ids)}, B, S, K]"
             )
         extra_block_kwargs = dict(extra_block_kwargs or {})
         if extra_block_kwargs.get("context") is not None:
-            raise ValueError("Engram models use the decoder's context slot for hash ids; "
+            raise InputError("Engram models use the decoder's context slot for hash ids; "
                              "cross-attention context is not supported with Engram")
         extra_block_kwargs["context"] = block
         layers = self._engram_layers() if self.config.engram_prefetch else []
@@ -122,7 +124,7 @@ class EngramGPTModel(GPTModel):
         """The hash ids plus the document slice computed here from ``input_ids`` (the whole
         sequence; under context parallelism the data path must supply it)."""
         if input_ids is None or self.config.context_parallel_size > 1:
-            raise ValueError(
+            raise InputError(
                 "engram_reset_at_eos needs each position's document start for the short conv: "
                 "pass engram_hash_ids from NgramHashMapping.hash_block (the data path does), not "
                 "hash_stacked"

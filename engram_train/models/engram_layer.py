@@ -34,6 +34,7 @@ from engram_train.models.hyper_connection_layer import (
 )
 from engram_train.parallel.context import sequence_halo
 from engram_train.parallel.lookup import engram_embedding_parallel
+from engram_train.errors import InputError
 
 
 @dataclass
@@ -51,7 +52,7 @@ class EngramTransformerLayer(TransformerLayer):
         self.engram_layer_id = self.layer_number - 1  # megatron numbers layers globally from 1
         layer_ids = list(config.engram_layer_ids)
         if self.engram_layer_id not in layer_ids:
-            raise ValueError(
+            raise InputError(
                 f"EngramTransformerLayer built for global layer {self.engram_layer_id}, which is not "
                 f"in engram_layer_ids={layer_ids}: build it with engram_block_spec"
             )
@@ -129,7 +130,7 @@ class EngramTransformerLayer(TransformerLayer):
 
     def forward(self, hidden_states: torch.Tensor, *args, context: Optional[torch.Tensor] = None, **kwargs):
         if context is None:
-            raise ValueError(
+            raise InputError(
                 f"Engram layer {self.engram_layer_id} got no hash ids: call EngramGPTModel with "
                 "input_ids (or engram_hash_ids) on every pipeline stage"
             )

@@ -22,6 +22,7 @@ from engram_train.models.engram_layer import (
     EngramTransformerLayerSubmodules,
 )
 from engram_train.models.hyper_connection_layer import HyperConnectionTransformerLayer
+from engram_train.errors import InputError
 
 
 def stage_layer_ids(config, vp_stage: int | None = None, pp_rank: int | None = None) -> list[int]:
@@ -36,7 +37,7 @@ def stage_layer_ids(config, vp_stage: int | None = None, pp_rank: int | None = N
 def engram_layer_spec(layer_spec: ModuleSpec, engram_spec=Engram) -> ModuleSpec:
     """A TransformerLayer spec (single- or multi-stream) -> the same layer with an Engram branch."""
     if not (isinstance(layer_spec.module, type) and issubclass(layer_spec.module, TransformerLayer)):
-        raise ValueError(f"cannot add Engram to {layer_spec.module}: expected a TransformerLayer spec")
+        raise InputError(f"cannot add Engram to {layer_spec.module}: expected a TransformerLayer spec")
     fields = {f.name: getattr(layer_spec.submodules, f.name) for f in dataclasses.fields(layer_spec.submodules)}
     module = (EngramHyperConnectionLayer
               if issubclass(layer_spec.module, HyperConnectionTransformerLayer)

@@ -21,6 +21,8 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from engram_train.errors import InputError
+
 HC_EPS = 1e-6
 """``eps_hc``: added to H_pre, C and the Sinkhorn denominators (DeepSeek-V4)."""
 
@@ -189,7 +191,7 @@ def stream_dots(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
 
 def _check_streams(x: torch.Tensor, num_streams: int, hidden_size: int, who: str) -> None:
     if x.ndim != 4 or x.shape[2] != num_streams or x.shape[3] != hidden_size:
-        raise ValueError(
+        raise InputError(
             f"{who} expects the residual streams as [s, b, {num_streams}, {hidden_size}] "
             f"(sequence first, num_residual_streams={num_streams}), got {tuple(x.shape)}"
         )
@@ -355,9 +357,9 @@ class HyperConnection(nn.Module):
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
         if num_streams < 2:
-            raise ValueError(f"num_residual_streams={num_streams} must be >= 2 for mHC")
+            raise InputError(f"num_residual_streams={num_streams} must be >= 2 for mHC")
         if sinkhorn_iterations < 1:
-            raise ValueError(f"mhc_sinkhorn_iterations={sinkhorn_iterations} must be >= 1")
+            raise InputError(f"mhc_sinkhorn_iterations={sinkhorn_iterations} must be >= 1")
         n = num_streams
         factory = {"device": device, "dtype": dtype or torch.float32}
         self.hidden_size, self.num_streams = int(hidden_size), int(n)
@@ -433,7 +435,7 @@ class HyperHead(nn.Module):
                  norm_eps: float = 1e-6, device=None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         if num_streams < 2:
-            raise ValueError(f"num_residual_streams={num_streams} must be >= 2 for mHC")
+            raise InputError(f"num_residual_streams={num_streams} must be >= 2 for mHC")
         n = num_streams
         factory = {"device": device, "dtype": dtype or torch.float32}
         self.hidden_size, self.num_streams = int(hidden_size), int(n)

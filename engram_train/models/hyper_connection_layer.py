@@ -28,6 +28,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import make_viewless_tensor
 
 from engram_train.models.hyper_connection import HyperConnection
+from engram_train.errors import ConfigError, InputTypeError
 
 
 def mark_sequence_parallel(module: torch.nn.Module, sequence_parallel: bool) -> None:
@@ -83,7 +84,7 @@ class HyperConnectionTransformerLayer(TransformerLayer):
     def __init__(self, config, submodules, *args, **kwargs):
         super().__init__(config, submodules, *args, **kwargs)
         if not config.enable_hyper_connections:
-            raise ValueError("HyperConnectionTransformerLayer needs enable_hyper_connections=true")
+            raise ConfigError("HyperConnectionTransformerLayer needs enable_hyper_connections=true")
         self.num_streams = config.num_residual_streams
         self.recompute_mhc = recomputes_mappings(config)
         self.attn_hc = build_hyper_connection(config)
@@ -91,7 +92,7 @@ class HyperConnectionTransformerLayer(TransformerLayer):
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
         if args:
-            raise TypeError("HyperConnectionTransformerLayer takes its inputs by keyword "
+            raise InputTypeError("HyperConnectionTransformerLayer takes its inputs by keyword "
                             "(as megatron's TransformerBlock passes them)")
         kwargs.pop("dynamic_inference_decode_only", None)
         streams = split_streams(hidden_states, self.num_streams)

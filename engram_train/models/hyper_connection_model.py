@@ -22,6 +22,7 @@ import torch
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.utils import WrappedTensor, make_viewless_tensor
 
+from engram_train.errors import ConfigError, InputError
 from engram_train.models.engram_gpt import EngramGPTModel
 from engram_train.models.hyper_connection import HyperHead
 from engram_train.models.hyper_connection_layer import (
@@ -49,11 +50,11 @@ class HyperConnectionModelMixin:
 
     def __init__(self, config, *args, **kwargs):
         if not getattr(config, "enable_hyper_connections", False):
-            raise ValueError(f"{type(self).__name__} needs enable_hyper_connections=true")
+            raise ConfigError(f"{type(self).__name__} needs enable_hyper_connections=true")
         super().__init__(config, *args, **kwargs)
         self.num_streams = config.num_residual_streams
         if self.post_process and self.decoder.final_layernorm is None:
-            raise ValueError("mHC collapses the streams before the decoder's final norm; this "
+            raise ConfigError("mHC collapses the streams before the decoder's final norm; this "
                              "model's last stage has none (post_layer_norm=False)")
         if self.decoder.final_layernorm is not None:
             head = HyperHead(config.hidden_size, self.num_streams,
@@ -95,7 +96,7 @@ class HyperConnectionModelMixin:
         n = self.num_streams
         rows, batch, width = tensor.shape
         if width != self.config.hidden_size or rows % n:
-            raise ValueError(
+            raise InputError(
                 f"pipeline input {tuple(tensor.shape)} is not a [n*s, b, h] mHC buffer (n={n}, "
                 f"h={self.config.hidden_size}): run megatron's schedules with the "
                 "mhc_pipeline_shapes patch applied (engram_train.runtime.initialize_distributed)"

@@ -29,6 +29,8 @@ from megatron.core.transformer.multi_latent_attention import (
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
+from engram_train.errors import ConfigError
+
 
 class SDPACoreAttention(MegatronModule):
     """Core attention [s, b, heads, dim] -> [s, b, heads * v_dim] on torch SDPA."""
@@ -77,7 +79,7 @@ class SDPACoreAttention(MegatronModule):
     @staticmethod
     def _check_context_parallel(config: TransformerConfig) -> None:
         if config.context_parallel_size != 1:
-            raise ValueError(
+            raise ConfigError(
                 "context_parallel_size > 1 needs Transformer Engine's attention; the local spec's "
                 "SDPACoreAttention supports context_parallel_size=1 only"
             )
@@ -143,7 +145,7 @@ class RMSNorm(torch.nn.Module):
     def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_unused):
         super().__init__()
         if config.layernorm_zero_centered_gamma:
-            raise ValueError("layernorm_zero_centered_gamma is not supported by the local RMSNorm")
+            raise ConfigError("layernorm_zero_centered_gamma is not supported by the local RMSNorm")
         self.eps = eps
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
         setattr(self.weight, "sequence_parallel", config.sequence_parallel)
@@ -230,7 +232,7 @@ class MLASelfAttention(MegatronMLASelfAttention):
         norm = getattr(self, "q_layernorm", None)
         if whole_tokens and config.qk_layernorm and norm is not None and list(norm.parameters()):
             if not isinstance(norm, RMSNorm):
-                raise ValueError(
+                raise ConfigError(
                     f"tensor parallelism without sequence parallelism needs the local RMSNorm as "
                     f"MLA's q_layernorm (got {type(norm).__name__}): megatron sums its gradient "
                     "over the tensor-parallel group")

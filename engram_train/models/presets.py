@@ -10,6 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from engram_train.errors import ConfigError
+
 CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
 
 
@@ -22,7 +24,7 @@ def model_preset(name: str) -> dict[str, Any]:
     path = Path(CONF_DIR, "model", f"{name}.yaml")
     if not path.is_file():
         known = sorted(p.stem for p in Path(CONF_DIR, "model").glob("*.yaml"))
-        raise ValueError(f"no model preset {name!r} (conf/model/{name}.yaml); presets: {known}")
+        raise ConfigError(f"no model preset {name!r} (conf/model/{name}.yaml); presets: {known}")
     own = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
     defaults = list(own.pop("defaults", None) or [])
     if "_self_" not in defaults:

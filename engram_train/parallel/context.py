@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from engram_train.errors import InputError
+
 HASH_KEY = "engram_hash_ids"
 SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask")
 
@@ -57,7 +59,7 @@ def context_parallel_batch(batch: dict, cp_group=None) -> dict:
         return batch
     seq = batch["tokens"].shape[1]
     if seq % (2 * size):
-        raise ValueError(
+        raise InputError(
             f"seq_length={seq} must be a multiple of 2 x context_parallel_size = {2 * size} "
             "(megatron's zigzag cuts every sequence into 2 x CP chunks)"
         )
@@ -67,7 +69,7 @@ def context_parallel_batch(batch: dict, cp_group=None) -> dict:
     ids = batch.get(HASH_KEY)
     if ids is not None:
         if not isinstance(ids, torch.Tensor):
-            raise ValueError("context parallelism needs the [L, B, S, K] hash-id block "
+            raise InputError("context parallelism needs the [L, B, S, K] hash-id block "
                              "(NgramHashMapping.hash_stacked), not a per-layer mapping")
         layers, b, _, k = ids.shape
         flat = zigzag_split({"ids": ids.reshape(layers * b, seq, k)}, cp_group)
@@ -81,7 +83,7 @@ def zigzag_positions(seq_len: int, cp_size: int, cp_rank: int) -> torch.Tensor:
     if cp_size == 1:
         return torch.arange(seq_len)
     if seq_len % (2 * cp_size):
-        raise ValueError(f"seq_length={seq_len} is not a multiple of 2 x CP = {2 * cp_size}")
+        raise InputError(f"seq_length={seq_len} is not a multiple of 2 x CP = {2 * cp_size}")
     chunk = seq_len // (2 * cp_size)
     first = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk)
     second = torch.arange((2 * cp_size - 1 - cp_rank) * chunk, (2 * cp_size - cp_rank) * chunk)
@@ -93,7 +95,7 @@ def held_positions(seq_len: int, cp_size: int, cp_rank: int, tp_size: int = 1,
     """Global positions a rank holds: its zigzag share, then its sequence-parallel slice."""
     local = zigzag_positions(seq_len, cp_size, cp_rank)
     if local.numel() % tp_size:
-        raise ValueError(f"{local.numel()} local positions do not split over TP={tp_size}")
+        raise InputError(f"{local.numel()} local positions do not split over TP={tp_size}")
     width = local.numel() // tp_size
     return local[tp_rank * width : (tp_rank + 1) * width]
 

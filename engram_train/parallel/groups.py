@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from engram_train.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class _EngramGroups:
@@ -45,9 +47,9 @@ _GROUPS: _EngramGroups | None = None
 def check_engram_embedding_parallel_size(eps: int, stage_size: int, detail: str = "") -> None:
     """``eps`` must split every pipeline stage's ranks into equal groups."""
     if isinstance(eps, bool) or not isinstance(eps, int) or eps < 1:
-        raise ValueError(f"engram_embedding_parallel_size must be >= 1 (an int), got {eps!r}")
+        raise ConfigError(f"engram_embedding_parallel_size must be >= 1 (an int), got {eps!r}")
     if stage_size % eps:
-        raise ValueError(
+        raise ConfigError(
             f"engram_embedding_parallel_size={eps} must divide the number of ranks of a pipeline "
             f"stage, {stage_size}{detail}: Engram tables live on the stage that owns their layer, "
             f"so their embedding-parallel groups are formed inside one stage. Use a divisor of "

@@ -43,6 +43,7 @@ import torch.distributed as dist
 from engram_train.engram.row_grad import ROW_GRAD_ATTR, deliver_row_grad, gather_rows, read_rows
 from engram_train.parallel import groups
 from engram_train.parallel.groups import table_gradient_groups
+from engram_train.errors import ConfigError
 
 
 def row_range(num_rows: int, rank: int, size: int) -> tuple[int, int]:
@@ -423,7 +424,7 @@ def engram_embedding_parallel(config, tp_group: dist.ProcessGroup | None = None)
         return AllReduceLookup(tp_group, grad_sync_group=grad_sync_group, norm_group=norm_group,
                                sequence_split=sequence_split)
     if method != "alltoall":
-        raise ValueError(f"unknown engram_embedding_parallel_method={method!r}")
+        raise ConfigError(f"unknown engram_embedding_parallel_method={method!r}")
     eps = config.engram_embedding_parallel_size
     if not groups.is_engram_parallel_initialized():
         raise RuntimeError(
@@ -433,7 +434,7 @@ def engram_embedding_parallel(config, tp_group: dist.ProcessGroup | None = None)
         )
     have = groups.get_engram_embedding_parallel_world_size()
     if have != eps:
-        raise ValueError(
+        raise ConfigError(
             f"the model has engram_embedding_parallel_size={eps} but the Engram embedding-parallel "
             f"group was created with {have} ranks: pass ParallelSizes(engram_embedding={eps}) to "
             "initialize_distributed (or set both to the same value)."

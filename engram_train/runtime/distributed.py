@@ -17,6 +17,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from engram_train.errors import ConfigError
 from engram_train.parallel.groups import (
     check_engram_embedding_parallel_size,
     destroy_engram_parallel,
@@ -62,17 +63,17 @@ class ParallelSizes:
     def validate(self, world_size: int) -> None:
         for name in ("tensor", "pipeline", "expert", "context"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name}_model_parallel_size must be >= 1, got {getattr(self, name)}")
+                raise ConfigError(f"{name}_model_parallel_size must be >= 1, got {getattr(self, name)}")
         model = self.tensor * self.pipeline * self.context
         if world_size % model:
-            raise ValueError(
+            raise ConfigError(
                 f"world size {world_size} is not divisible by tensor ({self.tensor}) x pipeline "
                 f"({self.pipeline}) x context ({self.context}) = {model}; change the parallel sizes "
                 f"or the number of processes"
             )
         dp = world_size // model
         if (dp * self.context) % self.expert:
-            raise ValueError(
+            raise ConfigError(
                 f"expert_model_parallel_size {self.expert} must divide data-parallel x context size "
                 f"{dp * self.context} (world {world_size} / tensor {self.tensor} / pipeline {self.pipeline})"
             )

@@ -69,6 +69,7 @@ from megatron.core.optimizer.optimizer import MegatronOptimizer
 
 from engram_train.engram.host_table import HOST_TABLE_TIMES, is_host_resident
 from engram_train.engram.row_grad import arm_row_sparse_grad
+from engram_train.errors import ConfigError
 from engram_train.parallel.row_grad_sync import RowGradSyncStats, sync_row_grads
 from engram_train.runtime.distributed import device as runtime_device
 from engram_train.training.host_update import OverlappedHostUpdate
@@ -87,7 +88,7 @@ def engram_table_param_group(opt_config: OptimizerConfig, model_config: Any) -> 
     mult = float(model_config.engram_lr_multiplier)
     wd = float(model_config.engram_weight_decay)
     if wd and not opt_config.weight_decay:
-        raise ValueError(
+        raise ConfigError(
             f"engram_weight_decay={wd} needs a non-zero optimizer weight_decay: the scheduler "
             "sets each group's weight decay as weight_decay x wd_mult. Set the optimizer's "
             "weight_decay or engram_weight_decay: 0."
@@ -170,7 +171,7 @@ class EngramTableOptimizer(TableOptimizerState, MegatronOptimizer):
                 "Engram tables with fp16 loss scaling are not supported: train in bf16 or fp32."
             )
         if config.optimizer != "adam":
-            raise ValueError(
+            raise ConfigError(
                 "Engram tables are trained with Adam (paper recipe); "
                 f"optimizer={config.optimizer!r} is not supported with use_engram."
             )

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from engram_train.errors import InputError
 from engram_train.training.sparse_adam import RowOptimizer
 from engram_train.training.stochastic_rounding import (
     STREAM_MOMENT,
@@ -44,18 +45,18 @@ class RowwiseAdam(RowOptimizer):
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, *, state_dtype: str = "fp32", seed: int = 0) -> None:
         if not 0.0 <= lr:
-            raise ValueError(f"lr={lr} must be >= 0")
+            raise InputError(f"lr={lr} must be >= 0")
         if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-            raise ValueError(f"betas={betas} must lie in [0, 1)")
+            raise InputError(f"betas={betas} must lie in [0, 1)")
         if state_dtype not in STATE_DTYPES:
-            raise ValueError(f"state_dtype={state_dtype!r} must be one of {list(STATE_DTYPES)}")
+            raise InputError(f"state_dtype={state_dtype!r} must be one of {list(STATE_DTYPES)}")
         self.moment_dtype = STATE_DTYPES[state_dtype]
         self.seed = int(seed)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
         for param in self.params():
             if param.dtype not in (torch.float32, torch.bfloat16):
-                raise ValueError(f"rowwise_adam steps float32 or bfloat16 tables, got {param.dtype}")
+                raise InputError(f"rowwise_adam steps float32 or bfloat16 tables, got {param.dtype}")
 
     def init_state(self, param: torch.Tensor) -> dict:
         state = self.state[param]

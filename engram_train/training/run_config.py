@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from engram_train.config import check_known_keys, resolve
-from engram_train.errors import ConfigError  # noqa: F401  (re-exported: callers import it here)
+from engram_train.errors import ConfigError, EngramError  # noqa: F401  (ConfigError: re-exported)
 from engram_train.runtime.distributed import ParallelSizes
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -74,10 +74,7 @@ def validate_run_config(cfg, world_size: int, check_data: bool = True):
     layout checked on a machine that does not hold the data)."""
     check_known_keys(cfg)  # `+train.foo=...` passes Hydra's composition
     p = parallel_sizes(cfg)
-    try:
-        p.validate(world_size)
-    except ValueError as e:
-        raise ConfigError(f"system/model: {e}") from None
+    p.validate(world_size)
     dp = data_parallel_size(cfg, world_size)
     t, m = cfg.train, cfg.model
     if t.micro_batch_size < 1 or t.global_batch_size < 1:
@@ -284,18 +281,12 @@ def _check_data(cfg) -> None:
     from omegaconf import OmegaConf
 
     from engram_train.data.datasets import parse_blend
-    from engram_train.engram.compressed_tokenizer import TokenizerNotFoundError, resolve_tokenizer_file
+    from engram_train.engram.compressed_tokenizer import resolve_tokenizer_file
 
     d = cfg.data
-    try:
-        resolve_tokenizer_file(str(d.tokenizer), field="data.tokenizer")
-    except TokenizerNotFoundError as e:
-        raise ConfigError(str(e)) from None
+    resolve_tokenizer_file(str(d.tokenizer), field="data.tokenizer")
     path = OmegaConf.to_container(d.path) if OmegaConf.is_config(d.path) else d.path
-    try:
-        prefixes, _ = parse_blend(path)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    prefixes, _ = parse_blend(path)
     for prefix in prefixes:
         for ext in (".bin", ".idx"):
             if not Path(prefix + ext).exists():
@@ -343,5 +334,7 @@ def build_transformer_config(cfg):
         fields.update(recompute_method=s.recompute_method, recompute_num_layers=int(s.recompute_num_layers))
     try:
         return EngramMLATransformerConfig(**backbone_config_kwargs(fields))
-    except (ValueError, AssertionError, TypeError) as e:
+    except EngramError:
+        raise  # the Engram and mHC rules raise ConfigError themselves
+    except (ValueError, AssertionError, TypeError) as e:  # megatron's own checks
         raise ConfigError(f"model/system: {e}") from None

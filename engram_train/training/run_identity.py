@@ -32,7 +32,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from engram_train.errors import EngramError
+from engram_train.errors import EngramError, InputError
 
 # Backbone config fields that decide parameter shapes (those a config lacks are recorded as None).
 SHAPE_FIELDS = (
@@ -176,7 +176,7 @@ def run_identity(config, padded_vocab_size: int, mapping=None) -> dict:
     ... or None, "engram_table_storage": ... or None}`` for a manifest."""
     use = bool(getattr(config, "use_engram", False))
     if use and mapping is None:
-        raise ValueError("run_identity: an Engram run needs its NgramHashMapping")
+        raise InputError("run_identity: an Engram run needs its NgramHashMapping")
     return {
         "model": model_identity(config, padded_vocab_size),
         "use_engram": use,

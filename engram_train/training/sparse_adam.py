@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from engram_train.errors import InputError
+
 
 class RowOptimizer(torch.optim.Optimizer):
     """Base of the row-sparse table optimizers: a step is ``begin_step`` (every parameter's
@@ -72,9 +74,9 @@ class RowSparseAdam(RowOptimizer):
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0) -> None:
         if not 0.0 <= lr:
-            raise ValueError(f"lr={lr} must be >= 0")
+            raise InputError(f"lr={lr} must be >= 0")
         if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-            raise ValueError(f"betas={betas} must lie in [0, 1)")
+            raise InputError(f"betas={betas} must lie in [0, 1)")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
 

@@ -18,6 +18,7 @@ from megatron.core.dist_checkpointing.optimizer import (
 
 from engram_train.training.rowwise_adam import RowwiseAdam
 from engram_train.training.sparse_adam import RowOptimizer
+from engram_train.errors import InputError
 
 # Optimizer-state layouts: a checkpoint resumes only into an optimizer of the same layout.
 ROWWISE_STATE = "rowwise"
@@ -137,7 +138,7 @@ def copy_rows(target: torch.Tensor, source: torch.Tensor, block_bytes: int | Non
     tensor), one copy when dtype and device agree, else blocks of leading-dimension rows of
     about ``block_bytes`` (in the wider dtype; default `COPY_BLOCK_BYTES`)."""
     if source.shape != target.shape:
-        raise ValueError(f"loaded state of shape {tuple(source.shape)} for a tensor of shape "
+        raise InputError(f"loaded state of shape {tuple(source.shape)} for a tensor of shape "
                          f"{tuple(target.shape)}")
     if (source.device == target.device and source.data_ptr() == target.data_ptr()
             and source.dtype == target.dtype and source.stride() == target.stride()):

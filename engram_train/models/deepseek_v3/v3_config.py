@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer import MLATransformerConfig
 
+from engram_train.errors import ConfigError
+
 # Fields that every DeepSeek-V3-style model shares; presets add sizes.
 DEEPSEEK_V3_COMMON: dict[str, Any] = dict(
     multi_latent_attention=True,
@@ -45,7 +47,7 @@ DEEPSEEK_V3_COMMON: dict[str, Any] = dict(
 def moe_layer_freq(num_layers: int, first_k_dense_replace: int) -> list[int]:
     """DeepSeek-V3's layout: the first k layers are dense, the rest MoE."""
     if not 0 <= first_k_dense_replace <= num_layers:
-        raise ValueError(
+        raise ConfigError(
             f"first_k_dense_replace={first_k_dense_replace} must be in [0, num_layers={num_layers}]"
         )
     return [0] * first_k_dense_replace + [1] * (num_layers - first_k_dense_replace)

@@ -27,6 +27,7 @@ from megatron.core.transformer.multi_latent_attention import (
 
 from engram_train.models.local_modules import MLASelfAttention, RMSNorm, SDPACoreAttention
 from engram_train.runtime.megatron_fixes import transformer_engine_available
+from engram_train.errors import ConfigError
 
 LOCAL_SUBSTITUTIONS: dict[type, type] = {
     DotProductAttention: SDPACoreAttention,
@@ -95,7 +96,7 @@ def hyper_connection_block_spec(block: TransformerBlockSubmodules) -> Transforme
     layer_specs = []
     for spec in block.layer_specs:
         if spec.module is not TransformerLayer:
-            raise ValueError(
+            raise ConfigError(
                 f"enable_hyper_connections: cannot put {spec.module} on residual streams "
                 "(megatron's TransformerLayer is the layer mHC wraps)"
             )
