@@ -60,8 +60,18 @@ torch:
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 
+# The DeepSeek-V4.1 reference of the tests (NeMo Automodel and the transformers it pins), in a
+# side folder beside the lane's pins; pure-Python wheels, so both lanes share it. Installed only
+# when a pinned version is missing (tests/v41_reference.py).
+V41_REF := .v41-ref
+V41_REF_PINS := transformers==5.18.0 nemo-automodel==0.7.0
+.PHONY: v41-ref
+v41-ref: $(STAMP)
+	@$(foreach pin,$(V41_REF_PINS),test -d $(V41_REF)/$(subst ==,-,$(subst -,_,$(pin))).dist-info &&) true || \
+		$(PY) -m pip install -q --no-deps --upgrade --target $(V41_REF) $(V41_REF_PINS)
+
 # Not -q: pytest's header names the lane's Python, torch and megatron-core (tests/conftest.py).
-test: $(STAMP)
+test: $(STAMP) v41-ref
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile --durations=20 $(TESTS) $(PYTEST_ARGS)
 
 # The embedded default: deepseek_v3_tiny + Engram on the shipped corpus, 2 CPU processes.

@@ -271,8 +271,15 @@ class NgramHashMapping:
         squeeze = ids.ndim == 1
         ids = ids.reshape(1, -1) if squeeze else ids
         check_raw_ids(ids, self.num_raw_ids)
-        shifts = self.shifted_ids(ids.astype(np.int64, copy=False))
-        batch, seq_len = ids.shape
+        stacked = self._stack_layers(self.shifted_ids(ids.astype(np.int64, copy=False)))
+        if squeeze:
+            stacked = stacked[:, 0]
+        return stacked if as_numpy else torch.from_numpy(stacked).to(device)
+
+    def _stack_layers(self, shifts: list[np.ndarray]) -> np.ndarray:
+        """Every layer's hashes of the shifted ids [B, T]: the [L, B, T, K] view of head-major
+        storage that `hash_stacked` returns (shared with the DeepSeek-V4.1 variant)."""
+        batch, seq_len = shifts[0].shape
         storage = np.empty((len(self.layer_ids), self.num_heads, batch, seq_len), dtype=np.int64)
 
         def hash_layers(indices: range) -> None:
@@ -285,11 +292,7 @@ class NgramHashMapping:
         hash_layers(groups[0])
         for future in futures:
             future.result()
-
-        stacked = storage.transpose(0, 2, 3, 1)
-        if squeeze:
-            stacked = stacked[:, 0]
-        return stacked if as_numpy else torch.from_numpy(stacked).to(device)
+        return storage.transpose(0, 2, 3, 1)
 
     def hash_block(self, input_ids: np.ndarray | torch.Tensor) -> np.ndarray | torch.Tensor:
         """What the model takes for a micro-batch [B, T]: `hash_stacked`'s [L, B, T, K] block,
