@@ -10,6 +10,7 @@ without it these tests fail and say that ``make v41-ref`` installs it.
 from __future__ import annotations
 
 import dataclasses
+import pickle
 import sys
 
 import numpy as np
@@ -230,6 +231,8 @@ def test_hash_inputs_numpy_torch_and_one_row(lookup):
     assert torch.equal(mapping.hash_stacked(ids[1], mask[1], documents[1]), stacked[:, 1])
     assert torch.equal(mapping.hash_block(ids, mask, documents), stacked)
     assert torch.equal(mapping(ids, mask, documents)[3], stacked[1])
+    copy = pickle.loads(pickle.dumps(mapping))  # as a data-loader worker receives it
+    assert copy.args == ARGS and torch.equal(copy.hash_stacked(ids, mask, documents), stacked)
 
 
 def test_hash_refusals(lookup):
@@ -338,7 +341,8 @@ def test_sequence_first_and_memory_path():
     prefetch path (memory looked up first) gives the same values."""
     torch.manual_seed(0)
     module = DeepseekV41Engram(ARGS, 32, 1)
-    ids = torch.randint(0, 348, (3, 5, ARGS.num_hash_heads)) % module.multi_head_embedding.offsets[1]
+    smallest_head = min(module.multi_head_embedding.head_sizes)  # head-local ids below it
+    ids = torch.randint(0, smallest_head, (3, 5, ARGS.num_hash_heads))
     hidden = torch.randn(3, 5, 4, 32)
     batch_first = module(hidden, ids)
     sequence_first = module(hidden.transpose(0, 1), ids.transpose(0, 1))
@@ -347,6 +351,9 @@ def test_sequence_first_and_memory_path():
     assert torch.equal(module(hidden, memory=memory), batch_first)
     assert all(getattr(p, "is_engram", False) for p in module.parameters())
     assert module.multi_head_embedding.weight.is_engram_table
+    half = DeepseekV41Engram(ARGS, 32, 1, dtype=torch.bfloat16)
+    assert half.multi_head_embedding.weight.dtype == torch.bfloat16
+    assert half(hidden.bfloat16(), ids).dtype == torch.bfloat16
     with pytest.raises(ValueError, match="does not match the hash ids' positions"):
         module(hidden[:, :, :2], ids)
     with pytest.raises(ValueError, match="exactly one of hash_ids or memory"):
