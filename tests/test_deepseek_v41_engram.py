@@ -26,6 +26,7 @@ from engram_train.engram.v41_ngram_hash import (
     DeepseekV41NgramHashMapping,
     document_ids,
 )
+from engram_train.errors import ConfigError, InputError, InputTypeError
 
 TOLERANCE = 1e-6
 VOCAB = 4096  # the shipped tokenizer's raw ids
@@ -236,24 +237,24 @@ def test_hash_inputs_numpy_torch_and_one_row(lookup):
 
 
 def test_hash_refusals(lookup):
-    with pytest.raises(ValueError, match="engram_compressed_vocab_size=99092"):
+    with pytest.raises(ConfigError, match="engram_compressed_vocab_size=99092"):
         DeepseekV41NgramHashMapping(
             DeepseekV41EngramArgs(engram_layer_ids=(1,), engram_compressed_vocab_size=99092),
             lookup)
     rows = DeepseekV41NgramHashMapping(ARGS, lookup).num_rows
     assert rows == {1: 384, 3: 552}
-    with pytest.raises(ValueError, match="gives layer 3 553 rows; its hash heads address exactly 552"):
+    with pytest.raises(ConfigError, match="gives layer 3 553 rows; its hash heads address exactly 552"):
         DeepseekV41NgramHashMapping(
             dataclasses.replace(ARGS, engram_num_embeddings=(384, 553)), lookup)
-    with pytest.raises(ValueError, match="gives layer 3 553 rows"):
+    with pytest.raises(ConfigError, match="gives layer 3 553 rows"):
         DeepseekV41Engram(dataclasses.replace(ARGS, engram_num_embeddings=(384, 553)), 32, 3)
-    with pytest.raises(ValueError, match="strictly increasing"):
+    with pytest.raises(ConfigError, match="strictly increasing"):
         DeepseekV41EngramArgs(engram_layer_ids=(3, 1))
     mapping = DeepseekV41NgramHashMapping(ARGS, lookup)
     ids, mask, _ = random_batch(0, 2, 8)
-    with pytest.raises(ValueError, match="token_mask shape"):
+    with pytest.raises(InputError, match="token_mask shape"):
         mapping.hash_stacked(ids, mask[:, :4])
-    with pytest.raises(TypeError, match="token_mask must be boolean"):
+    with pytest.raises(InputTypeError, match="token_mask must be boolean"):
         mapping.hash_stacked(ids, mask.long())
 
 
@@ -354,9 +355,9 @@ def test_sequence_first_and_memory_path():
     half = DeepseekV41Engram(ARGS, 32, 1, dtype=torch.bfloat16)
     assert half.multi_head_embedding.weight.dtype == torch.bfloat16
     assert half(hidden.bfloat16(), ids).dtype == torch.bfloat16
-    with pytest.raises(ValueError, match="does not match the hash ids' positions"):
+    with pytest.raises(InputError, match="does not match the hash ids' positions"):
         module(hidden[:, :, :2], ids)
-    with pytest.raises(ValueError, match="exactly one of hash_ids or memory"):
+    with pytest.raises(InputError, match="exactly one of hash_ids or memory"):
         module(hidden)
-    with pytest.raises(ValueError, match="not in engram_layer_ids"):
+    with pytest.raises(ConfigError, match="not in engram_layer_ids"):
         DeepseekV41Engram(ARGS, 32, 2)

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from engram_train.engram.engram_module import Engram
+from engram_train.errors import ConfigError, InputError
 
 GATE_SCORE_FLOOR = 1e-6  # |dot| floor under the gate's signed square root
 
@@ -56,7 +57,7 @@ class DeepseekV41Engram(nn.Module):
     ) -> None:
         super().__init__()
         if layer_id not in args.engram_layer_ids:
-            raise ValueError(
+            raise ConfigError(
                 f"layer_id={layer_id} is not in engram_layer_ids={list(args.engram_layer_ids)}: "
                 "add it there (the table sizes depend on the whole list)."
             )
@@ -69,7 +70,7 @@ class DeepseekV41Engram(nn.Module):
         self.eps = float(args.rms_norm_eps)
         self.init_std = float(args.initializer_range)
         if self.hidden_size < 1:
-            raise ValueError(f"hidden_size={hidden_size} must be >= 1.")
+            raise InputError(f"hidden_size={hidden_size} must be >= 1.")
         self.multi_head_embedding = table if table is not None else self._table(
             args, seed, row_start, row_end, embedding_parallel, placement, device,
             dtype if table_dtype is None else table_dtype)
@@ -98,7 +99,7 @@ class DeepseekV41Engram(nn.Module):
         if args.engram_num_embeddings is not None:
             rows = args.engram_num_embeddings[list(args.engram_layer_ids).index(self.layer_id)]
             if rows != sum(primes):
-                raise ValueError(
+                raise ConfigError(
                     f"engram_num_embeddings gives layer {self.layer_id} {rows} rows; its hash "
                     f"heads address exactly {sum(primes)} (the sum of its primes)."
                 )
@@ -137,12 +138,12 @@ class DeepseekV41Engram(nn.Module):
         (the paper module's conv inputs) are accepted and unused: nothing here looks back."""
         del halo, document_distance
         if (hash_ids is None) == (memory is None):
-            raise ValueError("DeepseekV41Engram.forward needs exactly one of hash_ids or memory.")
+            raise InputError("DeepseekV41Engram.forward needs exactly one of hash_ids or memory.")
         if memory is None:
             memory = self.lookup(hash_ids)
         lead = memory.shape[:-1]
         if memory.shape[-1] != self.memory_dim:
-            raise ValueError(f"memory shape {tuple(memory.shape)} must end in {self.memory_dim} "
+            raise InputError(f"memory shape {tuple(memory.shape)} must end in {self.memory_dim} "
                              "(hash heads x engram_head_dim).")
         hidden = self._streams(hidden_states, lead)
         g, d = self.hc_mult, self.hidden_size
@@ -157,7 +158,7 @@ class DeepseekV41Engram(nn.Module):
         gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(GATE_SCORE_FLOOR).sqrt(), dot))
         if token_mask is not None:
             if token_mask.dtype != torch.bool or token_mask.shape != lead:
-                raise ValueError(f"token_mask must be bool of shape {tuple(lead)}, got "
+                raise InputError(f"token_mask must be bool of shape {tuple(lead)}, got "
                                  f"{token_mask.dtype} {tuple(token_mask.shape)}.")
             gate = gate.masked_fill(~token_mask.unsqueeze(-1), 0.0)
         y = (gate.unsqueeze(-1) * value.unsqueeze(-2)).to(hidden_states.dtype)  # [*, G, d]
@@ -170,7 +171,7 @@ class DeepseekV41Engram(nn.Module):
             return hidden_states
         if self.hc_mult == 1 and shape == (*lead, self.hidden_size):
             return hidden_states.unsqueeze(-2)
-        raise ValueError(
+        raise InputError(
             f"hidden_states shape {shape} does not match the hash ids' positions {tuple(lead)}: "
             f"expected {(*lead, self.hc_mult, self.hidden_size)} (hc_mult={self.hc_mult}, "
             f"hidden_size={self.hidden_size})."

@@ -26,6 +26,7 @@ import torch
 
 from engram_train.engram.compressed_tokenizer import CompressedTokenizer, check_raw_ids
 from engram_train.engram.ngram_hash import NgramHashMapping
+from engram_train.errors import ConfigError, InputError, InputTypeError
 
 
 @dataclass(frozen=True)
@@ -62,21 +63,21 @@ class DeepseekV41EngramArgs:
         layers = tuple(int(i) for i in self.engram_layer_ids)
         object.__setattr__(self, "engram_layer_ids", layers)
         if not layers or any(i < 0 for i in layers) or list(layers) != sorted(set(layers)):
-            raise ValueError(f"engram_layer_ids={list(layers)} must be non-empty, non-negative "
+            raise ConfigError(f"engram_layer_ids={list(layers)} must be non-empty, non-negative "
                              "and strictly increasing.")
         for name, low in (("engram_max_ngram_size", 2), ("engram_n_heads", 1),
                           ("engram_head_dim", 1), ("engram_vocab_size", 2), ("hc_mult", 1),
                           ("engram_pad_token_id", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name}={value!r} must be an integer >= {low}.")
+                raise ConfigError(f"{name}={value!r} must be an integer >= {low}.")
         if not (math.isfinite(self.rms_norm_eps) and self.rms_norm_eps > 0):
-            raise ValueError(f"rms_norm_eps={self.rms_norm_eps!r} must be finite and positive.")
+            raise ConfigError(f"rms_norm_eps={self.rms_norm_eps!r} must be finite and positive.")
         if self.engram_num_embeddings is not None:
             rows = tuple(int(n) for n in self.engram_num_embeddings)
             object.__setattr__(self, "engram_num_embeddings", rows)
             if len(rows) != len(layers):
-                raise ValueError(f"engram_num_embeddings has {len(rows)} entries, "
+                raise ConfigError(f"engram_num_embeddings has {len(rows)} entries, "
                                  f"engram_layer_ids {len(layers)}: give one row count per layer.")
 
     @property
@@ -152,7 +153,7 @@ class DeepseekV41NgramHashMapping(NgramHashMapping):
         self.args = args
         expected = args.engram_compressed_vocab_size
         if expected is not None and expected != self.compressed_vocab_size:
-            raise ValueError(
+            raise ConfigError(
                 f"engram_compressed_vocab_size={expected}, but the tokenizer compresses to "
                 f"{self.compressed_vocab_size} ids: the hash multipliers depend on it, so this "
                 "is another tokenizer than the model's."
@@ -160,7 +161,7 @@ class DeepseekV41NgramHashMapping(NgramHashMapping):
         if args.engram_num_embeddings is not None:
             for layer, rows in zip(self.layer_ids, args.engram_num_embeddings):
                 if rows != self.num_rows[layer]:
-                    raise ValueError(
+                    raise ConfigError(
                         f"engram_num_embeddings gives layer {layer} {rows} rows; its hash heads "
                         f"address exactly {self.num_rows[layer]} (the sum of its primes)."
                     )
@@ -195,16 +196,16 @@ class DeepseekV41NgramHashMapping(NgramHashMapping):
         device = None if as_numpy else input_ids.device
         ids = _numpy(input_ids)
         if ids.ndim not in (1, 2):
-            raise ValueError(f"input_ids must be [B, T] or [T], got shape {tuple(ids.shape)}.")
+            raise InputError(f"input_ids must be [B, T] or [T], got shape {tuple(ids.shape)}.")
         squeeze = ids.ndim == 1
         ids = ids.reshape(1, -1) if squeeze else ids
         check_raw_ids(ids, self.num_raw_ids)
         mask = _companion(token_mask, "token_mask", ids.shape, squeeze)
         if mask is not None and mask.dtype != np.bool_:
-            raise TypeError(f"token_mask must be boolean, got dtype {mask.dtype}.")
+            raise InputTypeError(f"token_mask must be boolean, got dtype {mask.dtype}.")
         documents = _companion(sequence_ids, "sequence_ids", ids.shape, squeeze)
         if documents is not None and not np.issubdtype(documents.dtype, np.integer):
-            raise TypeError(f"sequence_ids must be integer document ids, got {documents.dtype}.")
+            raise InputTypeError(f"sequence_ids must be integer document ids, got {documents.dtype}.")
         shifts = self.shifted_ids(ids.astype(np.int64, copy=False), mask, documents)
         stacked = self._stack_layers(shifts)
         if squeeze:
@@ -227,5 +228,5 @@ def _companion(x, name: str, shape: tuple[int, ...], squeeze: bool) -> np.ndarra
     arr = _numpy(x)
     arr = arr.reshape(1, -1) if squeeze and arr.ndim == 1 else arr
     if arr.shape != shape:
-        raise ValueError(f"{name} shape {tuple(arr.shape)} must equal input_ids' {shape}.")
+        raise InputError(f"{name} shape {tuple(arr.shape)} must equal input_ids' {shape}.")
     return arr
