@@ -13,6 +13,7 @@ from megatron.core.dist_checkpointing.mapping import is_main_replica
 from megatron.core.utils import unwrap_model
 
 from engram_train.checkpoint.errors import CheckpointError, DamagedCheckpointError
+from engram_train.config import uses_engram
 from engram_train.checkpoint.manifest import rank_world
 from engram_train.runtime.megatron_fixes import CHAIN_BY_ROLE
 
@@ -45,7 +46,7 @@ def model_sharded_state_dict(model: list[torch.nn.Module]) -> dict[str, Any]:
     chunks = unwrap_model(model)
 
     def state(chunk):
-        if getattr(chunk.config, "use_engram", False):
+        if uses_engram(chunk.config):
             return chunk.sharded_state_dict(metadata={"non_homogeneous_layers": True})
         return chunk.sharded_state_dict()
 

@@ -30,8 +30,9 @@ from engram_train.config.mhc import (
     check_hyper_connections,
     require_int,
     residual_streams,
+    uses_hyper_connections,
 )
-from engram_train.config.model import EngramConfig, resolve
+from engram_train.config.model import EngramConfig, resolve, uses_engram
 from engram_train.config.run import (
     SECTIONS,
     CheckpointConfig,
@@ -72,6 +73,8 @@ __all__ = [
     "residual_streams",
     "resolve",
     "typed_run_config",
+    "uses_engram",
+    "uses_hyper_connections",
 ]
 
 

@@ -31,7 +31,7 @@ def _check_megatron_backbone(config) -> None:
     for the trainer and library users alike."""
     if not config.use_engram:
         return
-    if config.context_parallel_size > 1 and getattr(config, "hybrid_context_parallel", False):
+    if config.context_parallel_size > 1 and config.hybrid_context_parallel:
         raise ConfigError(
             "hybrid_context_parallel=true with use_engram=True: Engram's conv halo follows "
             "megatron's zigzag split (get_batch_on_this_cp_rank), not hybrid CP's packing; set "
@@ -90,6 +90,9 @@ if TYPE_CHECKING:  # pragma: no cover - static view of the lazily built classes
 
     @dataclass
     class EngramMLATransformerConfig(MLATransformerConfig, EngramConfig, HyperConnectionConfig): ...
+
+    ModelConfig = EngramTransformerConfig | EngramMLATransformerConfig
+    """A model config the project builds: megatron's fields with every Engram and mHC field."""
 
 
 def engram_table_dtype(config):

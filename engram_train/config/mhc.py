@@ -37,6 +37,12 @@ class HyperConnectionConfig:
     model without Engram computes the single-stream model's function)."""
 
 
+def uses_hyper_connections(config: Any) -> bool:
+    """mHC on: a config composed with `HyperConnectionConfig` that enables it (megatron's own
+    config, which a DeepSeek-V3 spec also accepts, never is)."""
+    return isinstance(config, HyperConnectionConfig) and config.enable_hyper_connections
+
+
 def residual_streams(enable_hyper_connections: bool, num_residual_streams: int) -> int:
     """Streams of the backbone's residual: ``num_residual_streams`` with mHC on, else 1. What
     an unset ``engram_hc_mult`` (None) follows."""
@@ -117,7 +123,7 @@ def check_hyper_connections(config, mhc_recompute: bool | None = None) -> None:
                 "enable_hyper_connections=true (DeepSeek uses 4); or set "
                 "enable_hyper_connections: false"
             )
-        if getattr(config, "mtp_num_layers", None):
+        if config.mtp_num_layers:
             raise ConfigError(
                 "enable_hyper_connections=true with mtp_num_layers: multi-token prediction "
                 "layers take a single-stream input; set mtp_num_layers: null"
@@ -129,7 +135,7 @@ def check_hyper_connections(config, mhc_recompute: bool | None = None) -> None:
                 "the mHC layer does not recompute its norms; drop 'layernorm' (core_attn, mlp, "
                 "moe and the other modules are recomputed as usual)"
             )
-        if getattr(config, "cuda_graph_impl", "none") not in (None, "none"):
+        if config.cuda_graph_impl not in (None, "none"):
             raise ConfigError(
                 f"enable_hyper_connections=true with cuda_graph_impl={config.cuda_graph_impl!r}: "
                 "CUDA graphs of the mHC layer are not supported; set cuda_graph_impl: none"

@@ -196,10 +196,8 @@ class EngramConfig:
                 # Layer ids are kept sorted: table primes are handed out layer by layer in this
                 # order, so [3, 1] and [1, 3] build the same tables (and load the same checkpoints).
                 setattr(self, name, sorted(ints) if name == "engram_layer_ids" else ints)
-        if self.engram_hc_mult is None:  # a megatron config resolved it from the backbone first
-            self.engram_hc_mult = residual_streams(
-                getattr(self, "enable_hyper_connections", False),
-                getattr(self, "num_residual_streams", 1))
+        if self.engram_hc_mult is None:  # a composed config resolved it from its backbone first
+            self.engram_hc_mult = 1  # the standalone module: a single-stream backbone
         path = self.engram_tokenizer_name_or_path
         if path is not None:
             if not isinstance(path, (str, os.PathLike)):
@@ -329,6 +327,12 @@ class EngramConfig:
                 f"engram_optimizer_state_dtype={self.engram_optimizer_state_dtype!r} needs "
                 f"engram_optimizer=rowwise_adam (got {self.engram_optimizer!r})."
             )
+
+
+def uses_engram(config: Any) -> bool:
+    """Engram on: a config composed with `EngramConfig` that enables it (megatron's own config,
+    which the builder also accepts, never is)."""
+    return isinstance(config, EngramConfig) and config.use_engram
 
 
 def _default(f: dataclasses.Field) -> Any:

@@ -57,6 +57,7 @@ def _engram_fields(config: EngramDeepseekV3Config) -> SimpleNamespace | None:
     if missing:
         raise InputError(f"config.engram lacks {missing}: export the model with engram-export "
                          "--format hf")
+    fields.setdefault("engram_reset_at_eos", False)
     if fields.get("engram_hc_mult") is None:  # follows the backbone (config.resolve's rule)
         fields["engram_hc_mult"] = _num_streams(config)
     return SimpleNamespace(**fields)
@@ -64,7 +65,7 @@ def _engram_fields(config: EngramDeepseekV3Config) -> SimpleNamespace | None:
 
 def _num_streams(config: EngramDeepseekV3Config) -> int:
     """mHC's residual streams (1: the plain residual)."""
-    return int((getattr(config, "hyper_connections", None) or {}).get("num_residual_streams", 1))
+    return int(config.hyper_connections.get("num_residual_streams", 1))
 
 
 def _expand(hidden_states: torch.Tensor, streams: int) -> torch.Tensor:
@@ -99,7 +100,7 @@ class EngramHash(nn.Module):
                 {i: getattr(self, f"multipliers_{i}").cpu().numpy() for i in self.layer_ids},
                 {i: getattr(self, f"primes_{i}").cpu().numpy() for i in self.layer_ids},
                 f.max_ngram_size, f.n_head_per_ngram, pad_id=f.compressed_pad_id,
-                eos_id=f.engram_eos_id if getattr(f, "engram_reset_at_eos", False) else None)
+                eos_id=f.engram_eos_id if f.engram_reset_at_eos else None)
         return self._hasher
 
     def _load_from_state_dict(self, *args, **kwargs):
@@ -397,7 +398,7 @@ class EngramDeepseekV3ForCausalLM(DeepseekV3ForCausalLM):
         """transformers' generate; beam search is refused: it reorders the KV cache between
         steps, and the Engram state (n-gram history, conv context) would not follow."""
         config = kwargs.get("generation_config") or self.generation_config
-        beams = kwargs.get("num_beams", getattr(config, "num_beams", 1)) or 1
+        beams = kwargs.get("num_beams", config.num_beams) or 1
         if beams > 1:
             raise InputError(f"num_beams={beams}: beam search is not supported with Engram (its "
                              "decoding state is not reordered with the cache); use num_beams=1")

@@ -41,7 +41,7 @@ def attention_per_token(config, w: Widths, a: int) -> int:
     """MLA (or standard attention): norms, latent down/up projections, rotated q/k, v, the
     attention output and the output projection's input; float32 log-sum-exp per head."""
     heads = config.num_attention_heads // w.tp
-    if getattr(config, "q_lora_rank", None) or getattr(config, "kv_lora_rank", None):
+    if config.q_lora_rank or config.kv_lora_rank:
         qk, rope, v = config.qk_head_dim, config.qk_pos_emb_head_dim, config.v_head_dim
         q_lora = config.q_lora_rank or 0
         latent = 2 * q_lora + 2 * config.kv_lora_rank + rope
@@ -79,9 +79,8 @@ def attention_scores_per_layer(config, layout: Layout, a: int, device: str) -> i
     Fused kernels (flash, Transformer Engine on the GPU) save none."""
     if device != "cpu":
         return 0
-    qk = (config.qk_head_dim + config.qk_pos_emb_head_dim) if getattr(config, "kv_lora_rank", None) \
-        else config.kv_channels
-    v = config.v_head_dim if getattr(config, "kv_lora_rank", None) else config.kv_channels
+    qk = (config.qk_head_dim + config.qk_pos_emb_head_dim) if config.kv_lora_rank else config.kv_channels
+    v = config.v_head_dim if config.kv_lora_rank else config.kv_channels
     if qk == v and not config.attention_dropout:
         return 0
     heads = config.num_attention_heads // layout.tp
@@ -95,7 +94,7 @@ def moe_per_token(config, w: Widths, a: int) -> int:
     input/output and SwiGLU output, the unpermute, and the shared experts."""
     k, e = config.moe_router_topk, config.num_moe_experts
     f = config.moe_ffn_hidden_size
-    shared = (getattr(config, "moe_shared_expert_intermediate_size", None) or 0) // w.tp
+    shared = (config.moe_shared_expert_intermediate_size or 0) // w.tp
     etp = w.tp  # expert TP follows TP (the project does not set it apart)
     routed = k * (3 * w.h_full + SWIGLU_SAVED * f // etp)
     return a * (w.h + w.h_full + routed + w.h_full + SWIGLU_SAVED * shared) + 4 * 3 * e
@@ -128,9 +127,9 @@ MHC_ACTIVATIONS = {None: _mhc_none, "mhc": _mhc_recomputed}
 
 def mhc_per_token(config, w: Widths, a: int) -> int:
     """Both sublayers (attention, MLP/MoE) of one layer."""
-    if not getattr(config, "enable_hyper_connections", False):
+    if not config.enable_hyper_connections:
         return 0
-    modules = getattr(config, "recompute_modules", None) or []
+    modules = config.recompute_modules or []
     key = "mhc" if config.recompute_granularity == "selective" and "mhc" in modules else None
     return 2 * MHC_ACTIVATIONS[key](config.num_residual_streams, w, a,
                                     config.mhc_sinkhorn_iterations)
@@ -138,8 +137,8 @@ def mhc_per_token(config, w: Widths, a: int) -> int:
 
 def layer_kinds(config) -> list[str]:
     """``"dense"`` or ``"moe"`` for each layer (megatron's ``moe_layer_freq``)."""
-    freq = getattr(config, "moe_layer_freq", 1)
-    if not getattr(config, "num_moe_experts", None):
+    freq = config.moe_layer_freq
+    if not config.num_moe_experts:
         return ["dense"] * config.num_layers
     if isinstance(freq, int):
         return ["moe" if i % freq == 0 else "dense" for i in range(config.num_layers)]
@@ -151,7 +150,7 @@ def layer_per_token(config, w: Widths, a: int, layer: int, kind: str) -> dict[st
     parts = {"attention": attention_per_token(config, w, a)}
     parts["moe" if kind == "moe" else "dense_mlp"] = (
         moe_per_token(config, w, a) if kind == "moe" else dense_mlp_per_token(config, w, a))
-    if getattr(config, "use_engram", False) and layer in config.engram_layer_ids:
+    if config.use_engram and layer in config.engram_layer_ids:
         parts["engram"] = engram_per_token(config, w, a)
     mhc = mhc_per_token(config, w, a)
     if mhc:
@@ -178,7 +177,7 @@ def stage_activations(config, layout: Layout, stage: int, layers: list[int], a: 
     t = layout.tokens
     kinds = layer_kinds(config)
     per_layer = [layer_per_token(config, w, a, i, kinds[i]) for i in layers]
-    n = config.num_residual_streams if getattr(config, "enable_hyper_connections", False) else 1
+    n = config.num_residual_streams if config.enable_hyper_connections else 1
     full = config.recompute_granularity == "full"
     chunks, _ = in_flight_chunks(stage, layout)
     per_chunk = (layout.vpp or 1)
@@ -212,7 +211,7 @@ def prefetch_bytes(config, layout: Layout) -> int:
     micro-batch, the next step's while this one runs) and the token batches."""
     tokens = layout.micro_batch_size * layout.seq_length
     batches = tokens * 8 * 4 * 2 * layout.num_micro
-    if not getattr(config, "use_engram", False):
+    if not config.use_engram:
         return batches
     k = (config.max_ngram_size - 1) * config.n_head_per_ngram
     ids = len(config.engram_layer_ids) * tokens * k * 8

@@ -33,7 +33,7 @@ def moment_bytes_per_element(config) -> float:
     is the same rule, per parameter with the value and master)."""
     if config.engram_optimizer != "rowwise_adam":
         return 8.0
-    first = 2 if getattr(config, "engram_optimizer_state_dtype", "fp32") == "bf16" else 4
+    first = 2 if config.engram_optimizer_state_dtype == "bf16" else 4
     width = config.n_embed_per_ngram // config.n_head_per_ngram
     return first + 4 / width
 
@@ -65,7 +65,7 @@ def table_items(config, elements: int, rows_touched: int) -> list[tuple[str, str
     placement = config.engram_table_placement
     offload = bool(config.engram_offload_embedding_optimizer_states)
     where = placement_of(placement, offload)
-    master_weights = bool(getattr(config, "engram_master_weights", True))
+    master_weights = bool(config.engram_master_weights)
     width = config.n_embed_per_ngram // config.n_head_per_ngram
     items = [
         (f"engram_tables_{dtype}", where["table"], elements * TABLE_DTYPE_BYTES[dtype]),

@@ -42,8 +42,8 @@ def layout_of(cfg, model_config, world: int, nproc_per_node: int) -> Layout:
     p = parallel_sizes(cfg)
     t, m = cfg.train, model_config
     dp = data_parallel_size(cfg, world)
-    etp = int(getattr(m, "expert_tensor_parallel_size", None) or p.tensor)
-    if getattr(m, "use_engram", False):
+    etp = int(m.expert_tensor_parallel_size or p.tensor)
+    if m.use_engram:
         shards = p.tensor if m.engram_embedding_parallel_method == "allreduce" else int(m.engram_embedding_parallel_size)
     else:
         shards = 1

@@ -102,7 +102,7 @@ def plan_stage(config, layout: Layout, sp: StageParams, layers: list[int], preci
     rp.add("optimizer_step", "device", "optimizer", optimizer_bytes.optimizer_step_bytes(sp))
 
     tables = sp.params.get("engram_tables", 0)
-    engram_layers = [i for i in layers if getattr(config, "use_engram", False) and i in config.engram_layer_ids]
+    engram_layers = [i for i in layers if config.use_engram and i in config.engram_layer_ids]
     k = (config.max_ngram_size - 1) * config.n_head_per_ngram if engram_layers else 0
     touched = min(layout.tokens * layout.num_micro * k * len(engram_layers), sp.table_rows)
     table_state = 0

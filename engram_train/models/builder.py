@@ -20,19 +20,21 @@ loss-scaler path (an inf in a table gradient would not skip the step).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.module import Float16Module
+from megatron.core.transformer.transformer_config import TransformerConfig
 
+from engram_train.config import uses_engram, uses_hyper_connections
 from engram_train.models.deepseek_v3.v3_specs import deepseek_v3_block_spec
 
 
 def build_gpt_model(
-    config: Any,
+    config: TransformerConfig,
     vocab_size: int,
     max_sequence_length: int,
     vp_stage: int | None = None,
@@ -54,16 +56,16 @@ def build_gpt_model(
     return gpt_model_class(config)(config, gpt_block_spec(config, use_te, vp_stage), **kwargs)
 
 
-def gpt_model_class(config: Any) -> type:
-    """megatron's GPTModel, or its Engram and/or mHC subclass, as the config asks."""
+def gpt_model_class(config: TransformerConfig) -> type:
+    """megatron's GPTModel, or its Engram and/or mHC subclass, as the config asks (megatron's
+    own config, or one composed with Engram's and mHC's fields: `engram_train.config`)."""
     from engram_train.models.engram_gpt import EngramGPTModel
     from engram_train.models.hyper_connection_model import (
         EngramHyperConnectionGPTModel,
         HyperConnectionGPTModel,
     )
 
-    engram = bool(getattr(config, "use_engram", False))
-    mhc = bool(getattr(config, "enable_hyper_connections", False))
+    engram, mhc = uses_engram(config), uses_hyper_connections(config)
     return {
         (False, False): GPTModel,
         (True, False): EngramGPTModel,
@@ -72,10 +74,11 @@ def gpt_model_class(config: Any) -> type:
     }[(engram, mhc)]
 
 
-def gpt_block_spec(config: Any, use_te: bool | None = None, vp_stage: int | None = None):
+def gpt_block_spec(config: TransformerConfig, use_te: bool | None = None,
+                   vp_stage: int | None = None):
     """The decoder block spec: Engram layers at ``engram_layer_ids`` when ``use_engram``."""
     block = deepseek_v3_block_spec(config, use_te=use_te, vp_stage=vp_stage)
-    if getattr(config, "use_engram", False):
+    if uses_engram(config):
         from engram_train.models.engram_specs import engram_block_spec
 
         return engram_block_spec(config, block, vp_stage=vp_stage)
@@ -115,7 +118,7 @@ def _engram_tables_held_out(chunks: list[torch.nn.Module], host_only: bool = Fal
             module._parameters[name] = param
 
 
-def wrap_mixed_precision(config: Any, chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
+def wrap_mixed_precision(config: TransformerConfig, chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
     """``Float16Module`` around each chunk when ``config.bf16`` (as Megatron-LM's get_model);
     the chunks unchanged in fp32. (fp16 with Engram is refused when the config is built.)"""
     if not (config.bf16 or config.fp16):
@@ -125,7 +128,7 @@ def wrap_mixed_precision(config: Any, chunks: list[torch.nn.Module]) -> list[tor
 
 
 def build_model(
-    config: Any,
+    config: TransformerConfig,
     vocab_size: int,
     max_sequence_length: int,
     ddp_config: DistributedDataParallelConfig | None = None,

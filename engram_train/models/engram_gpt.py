@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 from megatron.core.models.gpt.gpt_model import GPTModel
 
+from engram_train.config import uses_engram
 from engram_train.errors import ConfigError, InputError
 
 
@@ -48,7 +49,7 @@ class EngramGPTModel(GPTModel):
 
     def __init__(self, config, transformer_layer_spec, *args, **kwargs):
         # The Engram rules themselves ran when the config was built (engram_train.config).
-        if not getattr(config, "use_engram", False):
+        if not uses_engram(config):
             raise ConfigError(
                 "EngramGPTModel needs use_engram=True; build megatron's GPTModel otherwise"
             )

@@ -64,7 +64,8 @@ class EngramTransformerLayer(TransformerLayer):
             config=config,
             hidden_size=config.hidden_size,
             layer_id=self.engram_layer_id,
-            embedding_parallel=engram_embedding_parallel(config, tp_group=self.pg_collection.tp),
+            embedding_parallel=engram_embedding_parallel(config, tp_group=self.pg_collection.tp,
+                                                         sequence_parallel=config.sequence_parallel),
             dtype=config.params_dtype,
             table_dtype=engram_table_dtype(config),
         )

@@ -27,7 +27,7 @@ from engram_train.errors import InputError
 
 def stage_layer_ids(config, vp_stage: int | None = None, pp_rank: int | None = None) -> list[int]:
     """Global (0-based) ids of the decoder layers this pipeline (virtual) stage builds."""
-    layout = getattr(config, "pipeline_model_parallel_layout", None)
+    layout = config.pipeline_model_parallel_layout
     if layout is not None:
         return list(layout.get_layer_id_list(layer_type=LayerType.decoder, vp_stage=vp_stage, pp_rank=pp_rank))
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)

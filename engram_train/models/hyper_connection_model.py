@@ -22,6 +22,7 @@ import torch
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.utils import WrappedTensor, make_viewless_tensor
 
+from engram_train.config import uses_hyper_connections
 from engram_train.errors import ConfigError, InputError
 from engram_train.models.engram_gpt import EngramGPTModel
 from engram_train.models.hyper_connection import HyperHead
@@ -49,7 +50,7 @@ class HyperConnectionModelMixin:
     ``EngramGPTModel``."""
 
     def __init__(self, config, *args, **kwargs):
-        if not getattr(config, "enable_hyper_connections", False):
+        if not uses_hyper_connections(config):
             raise ConfigError(f"{type(self).__name__} needs enable_hyper_connections=true")
         super().__init__(config, *args, **kwargs)
         self.num_streams = config.num_residual_streams

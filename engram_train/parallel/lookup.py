@@ -405,7 +405,8 @@ class _AllReduceBackward(torch.autograd.Function):
         return grad, None
 
 
-def engram_embedding_parallel(config, tp_group: dist.ProcessGroup | None = None):
+def engram_embedding_parallel(config, tp_group: dist.ProcessGroup | None = None,
+                              sequence_parallel: bool = False):
     """The method object for a model built inside megatron's (and Engram's) parallel state.
 
     ``alltoall`` checks that the Engram groups were created with the model's
@@ -418,7 +419,7 @@ def engram_embedding_parallel(config, tp_group: dist.ProcessGroup | None = None)
     method = config.engram_embedding_parallel_method
     # Sequence parallelism: TP peers hold different slices of the sequence, and the Engram
     # layer looks up only its own slice's ids (models/engram_layer.py).
-    sequence_split = bool(getattr(config, "sequence_parallel", False)) and tp_group.size() > 1
+    sequence_split = sequence_parallel and tp_group.size() > 1
     if method == "allreduce":
         grad_sync_group, norm_group = table_gradient_groups(config)
         return AllReduceLookup(tp_group, grad_sync_group=grad_sync_group, norm_group=norm_group,

@@ -14,6 +14,8 @@ import importlib.util
 
 import torch
 
+from engram_train.config import uses_hyper_connections
+
 
 def transformer_engine_available() -> bool:
     """True when transformer_engine.pytorch can be imported (the GPU extra is installed)."""
@@ -219,7 +221,7 @@ def _schedule_with_stream_rows(schedule):
         from megatron.core.utils import get_model_config
 
         config = get_model_config(model[0] if isinstance(model, list) else model)
-        if getattr(config, "enable_hyper_connections", False):
+        if uses_hyper_connections(config):
             seq_length = seq_length * config.num_residual_streams
             if decoder_seq_length is not None:
                 decoder_seq_length = decoder_seq_length * config.num_residual_streams

@@ -58,7 +58,7 @@ only), so a run may switch between them or offload on resume.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -81,8 +81,11 @@ from engram_train.training.table_optimizer_state import (  # noqa: F401 - the la
     TableOptimizerState,
 )
 
+if TYPE_CHECKING:
+    from engram_train.config.composed import ModelConfig
 
-def engram_table_param_group(opt_config: OptimizerConfig, model_config: Any) -> dict:
+
+def engram_table_param_group(opt_config: OptimizerConfig, model_config: ModelConfig) -> dict:
     """Hyper-parameters of the table group, in megatron's param-group vocabulary: the LR
     scheduler reads ``max_lr``/``min_lr`` (base x ``engram_lr_multiplier``) and ``wd_mult``."""
     mult = float(model_config.engram_lr_multiplier)

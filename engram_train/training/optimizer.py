@@ -9,7 +9,7 @@ clipping combine. Without Engram this is megatron's optimizer alone.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from megatron.core.optimizer import (
     ChainedOptimizer,
@@ -19,11 +19,14 @@ from megatron.core.optimizer import (
 )
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+if TYPE_CHECKING:
+    from engram_train.config.composed import ModelConfig
 
-def build_optimizer(opt_config: OptimizerConfig, model_chunks: list, model_config: Any):
+
+def build_optimizer(opt_config: OptimizerConfig, model_chunks: list, model_config: ModelConfig):
     """megatron's optimizer for ``model_chunks`` (DDP-wrapped), plus the Engram table optimizer."""
     overrides = get_standard_config_overrides(opt_config)
-    if not getattr(model_config, "use_engram", False):
+    if not model_config.use_engram:
         return get_megatron_optimizer(opt_config, model_chunks, config_overrides=overrides)
 
     from engram_train.parallel.groups import table_gradient_groups
@@ -40,7 +43,7 @@ def build_optimizer(opt_config: OptimizerConfig, model_chunks: list, model_confi
         )
     grad_sync_group, norm_group = table_gradient_groups(model_config)
     table_group = engram_table_param_group(opt_config, model_config)
-    if getattr(model_config, "engram_freeze_tables", False):
+    if model_config.engram_freeze_tables:
         # The control of engram_freeze_tables: a zero LR at every step keeps the tables at
         # their init while the step still costs what a trained table's does.
         table_group.update(lr=0.0, max_lr=0.0, min_lr=0.0)

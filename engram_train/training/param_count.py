@@ -151,7 +151,7 @@ def run_config_counts(cfg, world_size: int | None, vocab_size: int | None = None
     padded = padded_vocab_size(vocab_size, config.tensor_model_parallel_size)
     model = build_on_meta(config, padded, int(cfg.train.seq_length))
     counts = asdict(count_parameters(model, config))
-    if getattr(config, "use_engram", False):
+    if config.use_engram:
         from engram_train.training.run_config import engram_table_bytes_per_param
 
         per_param = engram_table_bytes_per_param(config)

@@ -14,7 +14,7 @@ import os
 import types
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig
 
@@ -34,6 +34,9 @@ from engram_train.training.run_identity import (
     run_identity,
 )
 
+if TYPE_CHECKING:
+    from engram_train.config.composed import ModelConfig
+
 log = logging.getLogger("engram_train")
 
 
@@ -41,7 +44,7 @@ log = logging.getLogger("engram_train")
 class Plan:
     """What `check` found, before any process group: the validated configs and the resume."""
 
-    model_config: Any
+    model_config: ModelConfig
     tokenizer: Any
     vocab_size: int
     hash_mapping: Any  # NgramHashMapping, or None without Engram

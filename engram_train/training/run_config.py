@@ -204,7 +204,7 @@ def _check_host_memory(cfg, model_config, world_size: int) -> None:
     available to the ranks of one node; refused at start, naming the fields, otherwise."""
     from engram_train.engram.host_table import available_host_bytes, host_table_bytes
 
-    if not getattr(model_config, "use_engram", False):  # megatron's own config without Engram
+    if not model_config.use_engram:
         return
     host = model_config.engram_table_placement == "host"
     offload = model_config.engram_offload_embedding_optimizer_states

@@ -160,21 +160,21 @@ def model_identity(config, padded_vocab_size: int) -> dict:
 
 def optimizer_state_layout(config) -> str:
     """``rowwise`` for ``engram_optimizer: rowwise_adam``, else ``elementwise``."""
-    return "rowwise" if getattr(config, "engram_optimizer", None) == "rowwise_adam" else "elementwise"
+    return "rowwise" if config.engram_optimizer == "rowwise_adam" else "elementwise"
 
 
 def table_storage(config) -> dict:
     """``{"dtype": engram_table_dtype, "master": bool}``: ``master`` when a float32 master of a
     low-precision table is kept and saved (the optimizer's ``mixed_precision``)."""
-    dtype = str(getattr(config, "engram_table_dtype", "fp32"))
-    master = dtype != "fp32" and bool(getattr(config, "engram_master_weights", True))
+    dtype = str(config.engram_table_dtype)
+    master = dtype != "fp32" and bool(config.engram_master_weights)
     return {"dtype": dtype, "master": master}
 
 
 def run_identity(config, padded_vocab_size: int, mapping=None) -> dict:
     """``{"model": ..., "use_engram": bool, "engram": ... or None, "engram_optimizer_state":
     ... or None, "engram_table_storage": ... or None}`` for a manifest."""
-    use = bool(getattr(config, "use_engram", False))
+    use = bool(config.use_engram)
     if use and mapping is None:
         raise InputError("run_identity: an Engram run needs its NgramHashMapping")
     return {

@@ -25,9 +25,10 @@ from megatron.core.transformer.multi_latent_attention import (
     MLASelfAttention as MegatronMLASelfAttention,
 )
 
+from engram_train.config import uses_hyper_connections
+from engram_train.errors import ConfigError
 from engram_train.models.local_modules import MLASelfAttention, RMSNorm, SDPACoreAttention
 from engram_train.runtime.megatron_fixes import transformer_engine_available
-from engram_train.errors import ConfigError
 
 LOCAL_SUBSTITUTIONS: dict[type, type] = {
     DotProductAttention: SDPACoreAttention,
@@ -84,7 +85,7 @@ def deepseek_v3_block_spec(
     )
     if not use_te:
         spec = substitute_modules(spec, local_substitutions(config))
-    if getattr(config, "enable_hyper_connections", False):
+    if uses_hyper_connections(config):
         spec = hyper_connection_block_spec(spec)
     return spec
 
