@@ -107,6 +107,9 @@ def swap_used_bytes() -> int:
 def compose(vocab: int):
     from hydra import compose as hydra_compose, initialize_config_dir
 
+    from engram_train.config import register
+
+    register()  # the run config's schema (conf/train.yaml's defaults)
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
         return hydra_compose(config_name="train", overrides=[
             "model=deepseek_v3_tiny", f"model.engram_vocab_size=[{vocab},{vocab}]", *FOUR_BYTE])

@@ -36,7 +36,7 @@ quiet_known_warnings()
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from engram_train.config import typed_run_config  # noqa: E402
+from engram_train.config import register, typed_run_config  # noqa: E402
 from engram_train.errors import ConfigError, EngramError  # noqa: E402
 from engram_train.logs import console  # noqa: E402
 from engram_train.models.presets import CONF_DIR  # noqa: E402
@@ -147,6 +147,7 @@ def main() -> None:
     if os.environ.get("LOCAL_RANK", "0") != "0":
         _quiet = contextlib.redirect_stderr(io.StringIO())
         _quiet.__enter__()
+    register()  # the run config's schema, named by conf/train.yaml's defaults list
     try:
         _main()
     except SystemExit:

@@ -222,3 +222,15 @@ def test_deliberate_errors_derive_from_the_root_where_raised():
     assert len(bare) <= 40, bare
     sources["engram_train.config.synthetic"] = "def f(x):\n    raise TypeError(f'{x}')\n"
     assert "engram_train.config.synthetic:2" in bare_builtin_raises(sources)
+
+
+def test_importing_the_package_loads_neither_hydra_nor_torch():
+    """``import engram_train`` defines names only: Hydra's ConfigStore is filled where Hydra
+    composes (`engram_train.config.register`), torch and megatron load on first use."""
+    import subprocess
+    import sys
+
+    code = "import sys, engram_train; print('hydra' in sys.modules, 'torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                         check=True).stdout
+    assert out.split() == ["False", "False"]

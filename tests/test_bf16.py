@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from engram_train.config import register
 
 from launch import REPO, free_port, torchrun, run_process
 
@@ -73,6 +74,7 @@ def test_engram_table_dtype_is_validated():
 # -- run config ----------------------------------------------------------------------------------
 
 def _cfg(*overrides):
+    register()  # the run config's schema (conf/train.yaml's defaults)
     with initialize_config_dir(config_dir=CONF, version_base=None):
         return compose(config_name="train", overrides=list(overrides))
 

@@ -142,6 +142,7 @@ def test_run_schema_types_defaults_and_unknown_keys():
     """The run config's sections are typed (engram_train/config/run.py): an old config lacking a
     key reads its default; a wrong type or an unknown key names the field."""
     from hydra import compose, initialize_config_dir
+    from engram_train.config import register
     from hydra.errors import ConfigCompositionException
 
     from engram_train.config import TrainConfig, typed_run_config
@@ -155,6 +156,7 @@ def test_run_schema_types_defaults_and_unknown_keys():
         typed_run_config({"train": {"foo": 1}})
     assert issubclass(ConfigError, EngramError)
     conf = str(Path(__file__).resolve().parents[1] / "conf")
+    register()  # the run config's schema (conf/train.yaml's defaults)
     with initialize_config_dir(config_dir=conf, version_base=None):
         with pytest.raises(ConfigCompositionException, match="train.lr=abc"):
             compose(config_name="train", overrides=["train.lr=abc"])

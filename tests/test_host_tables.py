@@ -76,9 +76,11 @@ def test_placement_is_validated():
 
 def _cfg(overrides):
     from hydra import compose, initialize_config_dir
+    from engram_train.config import register
 
     from launch import REPO
 
+    register()  # the run config's schema (conf/train.yaml's defaults)
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
         return compose(config_name="train", overrides=list(overrides))
 

@@ -56,8 +56,10 @@ def test_known_warnings_are_listed_in_the_readme():
 CHECK = """
 import sys
 from hydra import compose, initialize_config_dir
+from engram_train.config import register
 import engram_train.train as t
 from engram_train.training.run_config import ConfigError
+register()  # the run config's schema (conf/train.yaml's defaults)
 with initialize_config_dir(config_dir=sys.argv[1], version_base=None):
     cfg = compose(config_name="train", overrides=["train.micro_batch_size=3"])
 try:

@@ -129,11 +129,13 @@ def test_engram_layer_on_four_streams_matches_the_reference(results):
 
 def _model_identity(**model):
     from hydra import compose, initialize_config_dir
+    from engram_train.config import register
 
     from engram_train.models.presets import CONF_DIR
     from engram_train.training.run_config import build_transformer_config
     from engram_train.training.run_identity import model_identity
 
+    register()  # the run config's schema (conf/train.yaml's defaults)
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
         cfg = compose(config_name="train",
                       overrides=[f"model.{k}={v}" for k, v in model.items()])

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
+from engram_train.config import register
 
 from launch import REPO, run_process
 
@@ -87,6 +88,7 @@ COMMANDS = all_commands()
 
 
 def _cfg(overrides):
+    register()  # the run config's schema (conf/train.yaml's defaults)
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
         return compose(config_name="train", overrides=list(overrides))
 

@@ -20,6 +20,7 @@ import types
 import numpy as np
 import pytest
 from hydra import compose, initialize_config_dir
+from engram_train.config import register
 
 from launch import REPO
 
@@ -29,6 +30,7 @@ OTHER_TOKENIZER = str(REPO / "tests" / "data" / "golden" / "tok_bpe4k")
 
 
 def _cfg(*overrides):
+    register()  # the run config's schema (conf/train.yaml's defaults)
     with initialize_config_dir(config_dir=CONF, version_base=None):
         return compose(config_name="train", overrides=list(overrides))
 

@@ -12,6 +12,7 @@ import sys
 
 import pytest
 from hydra import compose, initialize_config_dir
+from engram_train.config import register
 from hydra.errors import ConfigCompositionException
 
 from launch import REPO, free_port
@@ -22,6 +23,7 @@ UNIFORM = math.log(4096)
 
 
 def _cfg(*overrides):
+    register()  # the run config's schema (conf/train.yaml's defaults)
     with initialize_config_dir(config_dir=CONF, version_base=None):
         return compose(config_name="train", overrides=list(overrides))
 
@@ -77,15 +79,15 @@ def test_nonfinite_steps_open_a_streak_and_are_not_window_values():
 def test_guard_keys_are_validated_and_the_guard_can_be_switched_off():
     from engram_train.training.plan import check
     from engram_train.training.divergence import guard_from_config
-    from engram_train.training.run_config import ConfigError
+    from engram_train.training.run_config import ConfigError, validate_run_config
 
     assert guard_from_config(_cfg("train.divergence_guard=false"), 4096) is None
     guard = guard_from_config(_cfg(), 4096)
     assert (guard.spike_factor, guard.window, guard.collapse_steps) == (10.0, 100, 2)
     for override, key in [("train.divergence_spike_factor=1", "train.divergence_spike_factor=1"),
                           ("train.divergence_window=0", "train.divergence_window=0")]:  # fmt: skip
-        with pytest.raises(ConfigError, match=key):
-            guard_from_config(_cfg(override), 4096)
+        with pytest.raises(ConfigError, match=key):  # with the run config's rules
+            validate_run_config(_cfg(override), 1, check_data=False)
     with pytest.raises(ConfigCompositionException, match="train.divergence_guard=maybe"):  # typed
         _cfg("train.divergence_guard=maybe")
     with pytest.raises(ConfigError, match="train.divergence_collapse_steps=0"):  # checked at start-up

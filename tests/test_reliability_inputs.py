@@ -89,7 +89,9 @@ def test_one_run_per_checkpoint_folder(tmp_path, caplog):
 
 def _cfg(*overrides):
     from hydra import compose, initialize_config_dir
+    from engram_train.config import register
 
+    register()  # the run config's schema (conf/train.yaml's defaults)
     with initialize_config_dir(config_dir=str(Path(__file__).parents[1] / "conf"), version_base=None):
         return compose(config_name="train", overrides=list(overrides))
 

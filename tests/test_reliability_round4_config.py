@@ -19,7 +19,9 @@ REPO = Path(__file__).resolve().parents[1]
 def compose(*overrides: str):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
+    from engram_train.config import register
 
+    register()  # the run config's schema (conf/train.yaml's defaults)
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
         return hydra_compose(config_name="train", overrides=list(overrides))
 

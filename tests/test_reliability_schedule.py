@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
+from engram_train.config import register
 
 from launch import REPO, free_port, torchrun, run_process
 
@@ -50,6 +51,7 @@ def cosine(lr: float, min_lr: float, warmup: int, decay: int, samples: int) -> f
 
 
 def _cfg(*overrides):
+    register()  # the run config's schema (conf/train.yaml's defaults)
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
         return compose(config_name="train", overrides=list(overrides))
 

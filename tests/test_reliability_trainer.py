@@ -23,6 +23,7 @@ from pathlib import Path
 import psutil
 import pytest
 from hydra import compose, initialize_config_dir
+from engram_train.config import register
 from packaging.version import Version
 
 from engram_train.checkpoint.lock import LOCK_FILE
@@ -59,6 +60,7 @@ def manifest_digest(ckpt: Path) -> dict:
 
 
 def _cfg(*overrides):
+    register()  # the run config's schema (conf/train.yaml's defaults)
     with initialize_config_dir(config_dir=CONF, version_base=None):
         return compose(config_name="train", overrides=list(overrides))
 

@@ -183,6 +183,7 @@ def test_resume_between_optimizer_state_layouts_is_refused():
     """A sparse_adam checkpoint (two moments per element) does not resume into rowwise_adam
     and back; sparse_adam <-> adam share a layout; older manifests count as sparse_adam's."""
     from hydra import compose, initialize_config_dir
+    from engram_train.config import register
 
     from engram_train.engram.ngram_hash import NgramHashMapping
     from engram_train.training.run_config import build_transformer_config
@@ -194,6 +195,7 @@ def test_resume_between_optimizer_state_layouts_is_refused():
     from launch import REPO
 
     def identity(*overrides):
+        register()  # the run config's schema (conf/train.yaml's defaults)
         with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
             config = build_transformer_config(compose(config_name="train",
                                                       overrides=list(overrides)))

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
+from engram_train.config import register
 
 from launch import REPO, free_port, run_process
 
@@ -108,6 +109,7 @@ def test_every_preset_prints_its_job_config(preset):
 
 
 def _cfg(*overrides):
+    register()  # the run config's schema (conf/train.yaml's defaults)
     with initialize_config_dir(config_dir=CONF, version_base=None):
         return compose(config_name="train", overrides=list(overrides))
 

@@ -9,8 +9,9 @@ order (nothing here imports another package of the project but `errors`).
 - `mhc`: `HyperConnectionConfig` (the mHC backbone fields), `residual_streams`, the rule
   ``engram_hc_mult`` follows, and the default of the ``mhc`` recompute module;
 - `run`: the run config's typed sections (``experiment``, ``system``, ``train``,
-  ``checkpoint``, ``data``), registered with Hydra's ConfigStore as the base of
-  ``conf/train.yaml`` (README.md "Configuration reference" lists the same keys).
+  ``checkpoint``, ``data``), the base of ``conf/train.yaml`` (README.md "Configuration
+  reference" lists the same keys); `register` puts them into Hydra's ConfigStore, called where
+  Hydra composes (importing this package imports neither Hydra nor torch).
 """
 
 from __future__ import annotations
@@ -46,7 +47,6 @@ from engram_train.config.run import (
     typed_run_config,
 )
 
-register()
 
 __all__ = [
     "CHOICES",

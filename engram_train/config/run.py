@@ -247,7 +247,9 @@ SECTIONS = {
 
 def register() -> None:
     """Put `RunConfig` into Hydra's ConfigStore (``conf/train.yaml`` names it first in its
-    defaults list). Called on import of ``engram_train.config``; registering twice is harmless."""
+    defaults list). Called where Hydra composes ``conf/train.yaml`` (the trainer's `main`,
+    ``training/param_count.compose_config``, the transformers importer, tests), before it
+    composes; registering twice is harmless. Importing the package registers nothing."""
     from hydra.core.config_store import ConfigStore
 
     ConfigStore.instance().store(name=SCHEMA_NAME, node=RunConfig)

@@ -199,8 +199,10 @@ def _run_config(section: dict, tokenizer: Path, seq_length: int, tensor: int = 1
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf, open_dict
 
+    from engram_train.config import register
     from engram_train.models.presets import CONF_DIR
 
+    register()
     with initialize_config_dir(config_dir=str(Path(CONF_DIR).resolve()), version_base=None):
         cfg = compose("train", overrides=[
             f"data.tokenizer={tokenizer}", f"train.seq_length={seq_length}",

@@ -31,7 +31,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engram_train.config import TrainConfig
-from engram_train.errors import ConfigError, EngramError
+from engram_train.errors import EngramError
 
 # The schema's defaults (engram_train/config/run.py); the spike factor is Megatron-LM's
 # (megatron/training/training.py: "spiky loss" check).
@@ -123,18 +123,12 @@ class DivergenceGuard:
 
 def guard_from_config(cfg, vocab_size: int) -> DivergenceGuard | None:
     """The guard ``train.divergence_*`` configure (None when ``train.divergence_guard`` is
-    false); `ConfigError` naming a bad key."""
-    t = cfg.train  # types checked by the schema (engram_train/config/run.py)
-    factor, window, steps = t.divergence_spike_factor, t.divergence_window, t.divergence_collapse_steps
-    if not factor > 1:
-        raise ConfigError(f"train.divergence_spike_factor={factor!r} must be a number > 1 (Megatron-LM uses 10)")
-    if window < 1:
-        raise ConfigError(f"train.divergence_window={window!r} must be an int >= 1 (iterations)")
-    if steps < 1:
-        raise ConfigError(f"train.divergence_collapse_steps={steps!r} must be an int >= 1")
+    false); the values were validated with the run config (``training/run_config.py``)."""
+    t = cfg.train
     if not t.divergence_guard:
         return None
-    return DivergenceGuard(int(vocab_size), float(factor), window, steps)
+    return DivergenceGuard(int(vocab_size), float(t.divergence_spike_factor), t.divergence_window,
+                           t.divergence_collapse_steps)
 
 
 def advice(cfg) -> str:

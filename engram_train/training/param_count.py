@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from engram_train.config import register
 from engram_train.models.presets import CONF_DIR
 
 
@@ -163,6 +164,7 @@ def run_config_counts(cfg, world_size: int | None, vocab_size: int | None = None
 def compose_config(overrides: list[str]):
     from hydra import compose, initialize_config_dir
 
+    register()
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
         return compose(config_name="train", overrides=list(overrides))
 

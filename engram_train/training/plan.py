@@ -23,7 +23,6 @@ from engram_train.checkpoint.layout import TRACKER, has_checkpoints, iteration_d
 from engram_train.checkpoint.selection import select_checkpoint
 from engram_train.engram.compressed_tokenizer import TokenizerNotFoundError
 from engram_train.engram.ngram_hash import NgramHashMapping
-from engram_train.training.divergence import guard_from_config
 from engram_train.training.faults import check_writable
 from engram_train.training.run_config import ConfigError, padded_vocab_size, validate_run_config
 from engram_train.training.run_identity import (
@@ -151,7 +150,6 @@ def check(cfg: DictConfig) -> Plan:
     plan = Plan(model_config, tokenizer, vocab_size, mapping,
                 run_identity(model_config, vocab_size, mapping), resume_from=None)  # fmt: skip
     expected_schedule(cfg)  # a schedule megatron would refuse fails here, not after the build
-    guard_from_config(cfg, vocab_size)  # its keys
 
     load = cfg.checkpoint.load
     if not (load and has_checkpoints(load)):

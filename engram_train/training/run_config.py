@@ -1,9 +1,12 @@
-"""From the Hydra YAML to megatron objects, validated before any process group exists.
+"""The run config's rules, and from the Hydra YAML to megatron objects, before any process
+group exists.
 
-``validate_run_config`` checks every cross-field rule of the YAML against the world size
-(torchrun's ``WORLD_SIZE``) and raises ``ConfigError`` naming the key and the fix;
-``build_transformer_config`` turns the ``model`` + ``system`` sections into one
-``EngramMLATransformerConfig`` (megatron's config plus every Engram field).
+The one home of the rules on the run config's values: ``validate_run_config`` checks each of
+them (a key's range, the keys that must agree, the layout against the world size, torchrun's
+``WORLD_SIZE``) and raises ``ConfigError`` naming the key and the fix. The keys themselves
+(type, default, doc) are ``engram_train/config/run.py``'s; the model section's rules are the
+model config's (``engram_train/config``), run by ``build_transformer_config``, which turns the
+``model`` + ``system`` sections into one ``EngramMLATransformerConfig``.
 """
 
 from __future__ import annotations
@@ -67,16 +70,40 @@ def data_parallel_size(cfg, world_size: int) -> int:
 
 
 def validate_run_config(cfg, world_size: int, check_data: bool = True):
-    """Every rule that can be checked before torch.distributed starts; returns the model's
-    ``EngramMLATransformerConfig``. The run's rules (layout, batch, schedule, data, memory) are
-    checked here; the model's (megatron's and Engram's) by building its config.
+    """Every rule on the run config's values, checked before torch.distributed starts; returns
+    the model's ``EngramMLATransformerConfig``. The run's rules (one check per concern below:
+    batch and schedule, data, layout, numerics, memory, reliability) live here, in this module
+    only; the model's (megatron's and Engram's) run by building its config. The keys themselves
+    (type, default, doc) are `engram_train.config.run`'s; rules that need the disk or a
+    checkpoint (writable folders, overwrite, resume agreement) are ``training/plan.py``'s.
     ``check_data=False`` skips the checks that read ``data.path`` and ``data.tokenizer`` (a
     layout checked on a machine that does not hold the data)."""
     check_known_keys(cfg)  # `+train.foo=...` passes Hydra's composition
     p = parallel_sizes(cfg)
     p.validate(world_size)
     dp = data_parallel_size(cfg, world_size)
-    t, m = cfg.train, cfg.model
+    _check_batch(cfg, dp, world_size)
+    _check_data_keys(cfg.data)
+    _check_pipeline(cfg, p, dp)
+    _check_precision(cfg)
+    if cfg.system.recompute_granularity not in RECOMPUTE:
+        raise ConfigError(
+            f"system.recompute_granularity={cfg.system.recompute_granularity!r} must be null, selective or full"
+        )
+    _check_tensor_and_expert_parallel(cfg, p)
+    # The model's own rules (megatron's and Engram's) run once, where the config is built.
+    model_config = build_transformer_config(cfg)
+    if check_data:
+        _check_data(cfg)
+        _check_host_memory(cfg, model_config, world_size)
+    _check_reliability(cfg)
+    _check_divergence_guard(cfg.train)
+    return model_config
+
+
+def _check_batch(cfg, dp: int, world_size: int) -> None:
+    """Batch sizes, steps, sequence length and the logging/evaluation intervals."""
+    t = cfg.train
     if t.micro_batch_size < 1 or t.global_batch_size < 1:
         raise ConfigError("train.micro_batch_size and train.global_batch_size must be >= 1")
     if t.global_batch_size % (t.micro_batch_size * dp):
@@ -95,43 +122,53 @@ def validate_run_config(cfg, world_size: int, check_data: bool = True):
             f"train.seq_length={t.seq_length} must be a multiple of 2 x system.context_parallel_size "
             f"= {2 * cp} (each rank holds two chunks of the sequence, for load balance)"
         )
-    _check_split(cfg.data.split)
     for key in ("log_interval", "eval_interval"):
         if t[key] is not None and t[key] < 1:
             raise ConfigError(f"train.{key}={t[key]} must be >= 1 (or null to disable)")
-    if cfg.data.reset_attention_mask:
+
+
+def _check_data_keys(d) -> None:
+    """The ``data`` keys that need no file: the split, the attention mask, the hash threads."""
+    _check_split(d.split)
+    if d.reset_attention_mask:
         raise ConfigError(
             "data.reset_attention_mask=true is not supported: the trainer's attention (local and "
             "Transformer Engine) runs causal without a per-document mask, so documents would "
             "still attend to earlier ones. Set data.reset_attention_mask=false; for Engram's "
             "document boundaries set model.engram_reset_at_eos=true (with model.engram_eos_id)"
         )
-    if cfg.data.hash_threads < 1:
-        raise ConfigError(f"data.hash_threads={cfg.data.hash_threads!r} must be an int >= 1")
+    if d.hash_threads < 1:
+        raise ConfigError(f"data.hash_threads={d.hash_threads!r} must be an int >= 1")
+
+
+def _check_pipeline(cfg, p: ParallelSizes, dp: int) -> None:
+    """Layers over pipeline (and virtual pipeline) stages, micro-batches over the stages."""
+    t, m = cfg.train, cfg.model
     if m.num_layers % p.pipeline:
         raise ConfigError(
             f"model.num_layers={m.num_layers} must be divisible by "
             f"system.pipeline_model_parallel_size={p.pipeline}"
         )
-    if p.virtual_pipeline is not None:
-        if p.pipeline < 2:
-            raise ConfigError("system.virtual_pipeline_model_parallel_size needs pipeline_model_parallel_size > 1")
-        if m.num_layers % (p.pipeline * p.virtual_pipeline):
-            raise ConfigError(
-                f"model.num_layers={m.num_layers} must be divisible by pipeline x virtual pipeline "
-                f"size = {p.pipeline * p.virtual_pipeline}"
-            )
-        if (t.global_batch_size // (t.micro_batch_size * dp)) % p.pipeline:
-            raise ConfigError(
-                "with a virtual pipeline the number of micro-batches per step "
-                f"({t.global_batch_size // (t.micro_batch_size * dp)}) must be a multiple of "
-                f"pipeline_model_parallel_size={p.pipeline}: raise train.global_batch_size"
-            )
-    _check_precision(cfg)
-    if cfg.system.recompute_granularity not in RECOMPUTE:
+    if p.virtual_pipeline is None:
+        return
+    if p.pipeline < 2:
+        raise ConfigError("system.virtual_pipeline_model_parallel_size needs pipeline_model_parallel_size > 1")
+    if m.num_layers % (p.pipeline * p.virtual_pipeline):
         raise ConfigError(
-            f"system.recompute_granularity={cfg.system.recompute_granularity!r} must be null, selective or full"
+            f"model.num_layers={m.num_layers} must be divisible by pipeline x virtual pipeline "
+            f"size = {p.pipeline * p.virtual_pipeline}"
         )
+    if (t.global_batch_size // (t.micro_batch_size * dp)) % p.pipeline:
+        raise ConfigError(
+            "with a virtual pipeline the number of micro-batches per step "
+            f"({t.global_batch_size // (t.micro_batch_size * dp)}) must be a multiple of "
+            f"pipeline_model_parallel_size={p.pipeline}: raise train.global_batch_size"
+        )
+
+
+def _check_tensor_and_expert_parallel(cfg, p: ParallelSizes) -> None:
+    """Sequence parallelism where TP needs it (MoE, Transformer Engine's MLA); experts over EP."""
+    m = cfg.model
     backbone = backbone_model(cfg)
     if backbone["num_moe_experts"] and p.tensor > 1 and not sequence_parallel(cfg):
         raise ConfigError(
@@ -154,13 +191,6 @@ def validate_run_config(cfg, world_size: int, check_data: bool = True):
             f"model.num_moe_experts={m.num_moe_experts} must be divisible by "
             f"system.expert_model_parallel_size={p.expert}"
         )
-    # The model's own rules (megatron's and Engram's) run once, where the config is built.
-    model_config = build_transformer_config(cfg)
-    if check_data:
-        _check_data(cfg)
-        _check_host_memory(cfg, model_config, world_size)
-    _check_reliability(cfg)
-    return model_config
 
 
 def engram_table_params_per_rank(cfg) -> int:
@@ -260,6 +290,18 @@ def _check_reliability(cfg) -> None:
         )
     if c.save_interval is not None and c.save_interval < 1:
         raise ConfigError(f"checkpoint.save_interval={c.save_interval} must be >= 1 (or null: only at the end)")
+
+
+def _check_divergence_guard(t) -> None:
+    """``train.divergence_*`` (docs/reliability.md, divergence guard), also with the guard off:
+    a value no run could use is a mistake before it is switched on."""
+    factor, window, steps = t.divergence_spike_factor, t.divergence_window, t.divergence_collapse_steps
+    if not factor > 1:
+        raise ConfigError(f"train.divergence_spike_factor={factor!r} must be a number > 1 (Megatron-LM uses 10)")
+    if window < 1:
+        raise ConfigError(f"train.divergence_window={window!r} must be an int >= 1 (iterations)")
+    if steps < 1:
+        raise ConfigError(f"train.divergence_collapse_steps={steps!r} must be an int >= 1")
 
 
 def _check_split(split) -> None:

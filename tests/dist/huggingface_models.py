@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 from hydra import compose, initialize_config_dir
+from engram_train.config import register
 from omegaconf import OmegaConf
 from packaging.version import Version
 
@@ -36,6 +37,7 @@ if Version(version("megatron-core")) < Version("0.19"):
 
 
 def run_config(overrides: list[str], use_engram: bool, seq_length: int = 48):
+    register()  # the run config's schema (conf/train.yaml's defaults)
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
         cfg = compose("train", overrides=[
             f"model.use_engram={str(use_engram).lower()}", f"data.tokenizer={TOKENIZER}",

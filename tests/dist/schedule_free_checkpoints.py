@@ -11,6 +11,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import torch
 from common import parse_args, write_result
 from hydra import compose, initialize_config_dir
+from engram_train.config import register
 
 import engram_train.config  # noqa: F401  (registers the run schema conf/train.yaml builds on)
 
@@ -31,6 +32,7 @@ def fresh_adam_state(optimizer) -> None:
 def main() -> None:
     args = parse_args()
     out = Path(args.out)
+    register()  # the run config's schema (conf/train.yaml's defaults)
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
         cfg = compose(config_name="train", overrides=[f"experiment.exp_dir={out / 'build'}", "model.use_engram=false"])
     from engram_train.checkpoint import save_checkpoint
