@@ -1,0 +1,19 @@
+"""The DeepSeek-V4.1 family: a backbone of shared-KV attention with a sliding window and
+CSA2's compressed, indexer-selected keys (one K=V head, a learned sink per head, a grouped
+low-rank output), MoE with sqrt-softplus routing and clamped SwiGLU experts, and single-pass mHC
+residual streams (each sublayer's projection gives the next sublayer's collapse); Engram tables
+on two layers (``engram.v41_engram_module``).
+
+- ``v41_args``: the backbone's fields under V4.1's names (``DeepseekV41BackboneArgs``, the
+  released defaults) and each layer's CSA2 role (window, full, reindex, reuse);
+- ``v41_primitives``: RMSNorm, RoPE (two bases, YaRN on compressed layers), FP8/FP4 fake
+  quantization of the released KV caches;
+- ``v41_csa``: the compressor, the indexer and candidate blocks, the state handed between layers;
+- ``v41_attention``, ``v41_moe``, ``v41_hyper_connection``: the sublayers and the mHC variant;
+- ``v41_layer``: one layer in plain torch, the order the megatron layer spec will follow.
+
+Tensors are sequence-first (``[s, b, h]``; streams ``[s, b, n, h]``), as megatron's. Each block
+is checked against NeMo Automodel 0.7.0's ``deepseek_v41`` in float32 on the CPU
+(tests/test_deepseek_v41_blocks.py, docs/deepseek-v41.md). Not yet wired into the builder, the
+config or the specs.
+"""

@@ -1,0 +1,232 @@
+"""DeepSeek-V4.1's attention: many query heads over one shared K=V head, a sliding window plus
+(on compressed layers) the selected compressed keys of CSA2, a learned sink per head, RoPE on the
+last channels with the inverse rotation on the output, and a grouped low-rank output.
+
+Per token (sequence-first: ``[s, b, ...]``)::
+
+    c   = q_norm(wq_a(x))                        # [q_lora_rank]
+    q_h = rope(wq_b(c)_h)                        # H heads of head_dim
+    kv  = fp8(rope(kv_norm(wkv(x))))             # one head of head_dim: key and value
+    o_h = sum_j softmax_j(q_h . kv_j / sqrt(head_dim) ; sink_h) kv_j
+    y   = wo_b(concat_g wo_a_g(concat_{h in g} rope^-1(o_h)))
+
+where j runs over the window (keys ``i - sliding_window < j <= i``) and, on a compressed
+layer, over the compressed keys the CSA2 selection gives query i (`v41_csa`); the sink is one
+more logit per head whose value is zero (it only grows the softmax's denominator). Window layers
+rotate with ``rope_theta``; compressed layers, window keys included, with
+``compress_rope_theta`` and YaRN. The softmax runs in float32. Padding (``valid`` False, right
+padding) is neither a key nor a compressed run, and its output is 0.
+
+Tensor parallelism (one process now): heads split (``wq_b`` column-parallel, the sinks and the
+output groups by rank, ``wo_b`` row-parallel); ``wq_a``, ``wkv`` and their norms are replicated.
+The shared KV head then takes gradient from every rank's heads: an all-reduce of its gradient
+over the group is needed before ``wkv`` (the query latent gets it from the column-parallel
+``wq_b``). The dense ``[b, H, s, keys]`` scores here are the CPU reference; a GPU run needs a
+sparse kernel over the window and the selected keys.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engram_train.errors import ConfigError, InputError
+from engram_train.models.deepseek_v41.v41_args import FP8_BLOCK, NVFP4_BLOCK
+from engram_train.models.deepseek_v41.v41_csa import (
+    CSAState,
+    DeepseekV41Compressor,
+    DeepseekV41Indexer,
+)
+from engram_train.models.deepseek_v41.v41_primitives import (
+    DeepseekV41RMSNorm,
+    apply_rope,
+    fake_quantize,
+    layer_frequencies,
+    rope_angles,
+)
+
+
+class GroupedLinear(nn.Module):
+    """``wo_a``: one ``[out_per_group, in_per_group]`` projection per group, stored as one
+    ``[groups * out_per_group, in_per_group]`` weight (the checkpoint's shape); tensor
+    parallelism takes whole groups (rows) per rank."""
+
+    def __init__(self, in_per_group: int, out_per_group: int, groups: int, device=None,
+                 dtype: torch.dtype | None = None):
+        super().__init__()
+        self.groups = int(groups)
+        self.weight = nn.Parameter(torch.empty(groups * out_per_group, in_per_group,
+                                               device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[..., groups, in]`` -> ``[..., groups, out]``."""
+        lead, width = x.shape[:-2], x.shape[-1]
+        weight = self.weight.view(self.groups, -1, width)
+        out = torch.bmm(x.reshape(-1, self.groups, width).transpose(0, 1), weight.transpose(1, 2))
+        return out.transpose(0, 1).reshape(*lead, self.groups, -1)
+
+
+def parallel_linears(config, tp_group):
+    """``(column, row)``: builders of megatron's ``ColumnParallelLinear`` (output split over
+    `tp_group`) and ``RowParallelLinear`` (input split, output summed) for `config` (a megatron
+    ``ModelParallelConfig``), bias-free; their forward returns ``(output, None)``."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    def init(std):
+        return lambda weight: nn.init.normal_(weight, mean=0.0, std=std)
+
+    def column(width_in, width_out, std):
+        return ColumnParallelLinear(width_in, width_out, config=config, init_method=init(std),
+                                    bias=False, gather_output=False, skip_bias_add=True,
+                                    tp_group=tp_group)
+
+    def row(width_in, width_out, std):
+        return RowParallelLinear(width_in, width_out, config=config, init_method=init(std),
+                                 bias=False, input_is_parallel=True, skip_bias_add=True,
+                                 tp_group=tp_group)
+
+    return column, row
+
+
+def tensor_parallel_size(tp_group) -> int:
+    import torch.distributed as dist
+
+    return 1 if tp_group is None or not dist.is_initialized() else dist.get_world_size(tp_group)
+
+
+class DeepseekV41Attention(nn.Module):
+    """The attention of layer `layer_id` (module docstring). `args` is a
+    ``DeepseekV41BackboneArgs``; `config` the megatron ``ModelParallelConfig`` (or
+    ``TransformerConfig``) of the column/row-parallel projections, `tp_group` their group.
+    ``forward(x, state, valid)`` takes ``x [s, b, hidden]``, the `CSAState` the previous layer
+    returned (a fresh one before layer 0) and optional ``valid [s, b]`` bool; it returns
+    ``(y [s, b, hidden], state)``."""
+
+    def __init__(self, args, layer_id: int, config, tp_group=None, device=None,
+                 dtype: torch.dtype | None = None):
+        super().__init__()
+        tp = tensor_parallel_size(tp_group)
+        if tp != 1:
+            raise ConfigError(f"DeepSeek-V4.1 attention runs in one process for now (tensor "
+                              f"parallel size {tp}): the shared KV head's gradient reduction "
+                              "is not written yet.")
+        self.role = args.role(layer_id)
+        self.layer_id, self.ratio = int(layer_id), self.role.compress_ratio
+        self.num_heads, self.head_dim = args.num_attention_heads, args.head_dim
+        self.groups, self.window = args.o_groups, args.sliding_window
+        self.dropout = float(args.attention_dropout)
+        std, factory = args.initializer_range, {"device": device, "dtype": dtype}
+        column, row = parallel_linears(config, tp_group)
+        self.wq_a = nn.Linear(args.hidden_size, args.q_lora_rank, bias=False, **factory)
+        self.q_norm = DeepseekV41RMSNorm(args.q_lora_rank, args.rms_norm_eps, **factory)
+        self.wq_b = column(args.q_lora_rank, self.num_heads * self.head_dim, std)
+        self.wkv = nn.Linear(args.hidden_size, self.head_dim, bias=False, **factory)
+        self.kv_norm = DeepseekV41RMSNorm(self.head_dim, args.rms_norm_eps, **factory)
+        self.wo_a = GroupedLinear(self.num_heads * self.head_dim // self.groups,
+                                  args.o_lora_rank, self.groups, **factory)
+        self.wo_b = row(self.groups * args.o_lora_rank, args.hidden_size, std)
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads, device=device,
+                                              dtype=torch.float32))
+        self.compressor = (DeepseekV41Compressor(args, self.ratio, **factory)
+                           if self.role.kv_source else None)
+        self.indexer = (DeepseekV41Indexer(args, self.role, **factory)
+                        if self.role.index_source else None)
+        self.register_buffer("frequencies", layer_frequencies(args, bool(self.ratio), device),
+                             persistent=False)
+        self.reset_parameters(std)
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float = 0.02) -> None:
+        """Projections normal(0, std), norms 1, sinks 0 (the released init)."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            elif isinstance(module, DeepseekV41RMSNorm):
+                nn.init.ones_(module.weight)
+        for weight in (self.wq_b.weight, self.wo_a.weight, self.wo_b.weight):
+            nn.init.normal_(weight, mean=0.0, std=std)
+        nn.init.zeros_(self.sinks)
+
+    def forward(self, x: torch.Tensor, state: CSAState | None = None,
+                valid: torch.Tensor | None = None) -> tuple[torch.Tensor, CSAState]:
+        s, b = x.shape[:2]
+        if s == 0:
+            raise InputError("DeepSeek-V4.1 attention needs a non-empty sequence.")
+        if valid is not None and (valid.shape != (s, b) or valid.dtype != torch.bool):
+            raise InputError(f"valid must be a bool [s, b] = [{s}, {b}] mask, got "
+                             f"{tuple(valid.shape)} {valid.dtype}.")
+        state = CSAState() if state is None else state
+        angles = rope_angles(torch.arange(s, device=x.device), self.frequencies)
+        query_latent = self.q_norm(self.wq_a(x))
+        query = apply_rope(self.wq_b(query_latent)[0].unflatten(-1, (self.num_heads, -1)),
+                           angles)
+        kv = fake_quantize(apply_rope(self.kv_norm(self.wkv(x)), angles), "fp8", FP8_BLOCK)
+        if self.ratio:
+            state = self._compressed_state(x, query_latent, angles, state, valid)
+        mask = self._mask(s, b, x.device, state, valid)
+        if self.ratio:
+            kv = torch.cat((kv, state.compressed_kv), dim=0)
+        attended = self._attend(query, kv, mask)
+        return self._output(attended, angles, valid), state
+
+    def _compressed_state(self, x, query_latent, angles, state: CSAState, valid) -> CSAState:
+        """This layer's CSA2 state: a full layer's new compressed KV, an index layer's new
+        selection, or the state as given (reuse)."""
+        s, b = x.shape[:2]
+        runs = s // self.ratio
+        compressed_angles = rope_angles(torch.arange(0, runs * self.ratio, self.ratio,
+                                                     device=x.device), self.frequencies)
+        latent = None
+        if self.compressor is not None:
+            latent = self.compressor(x)
+            kv = fake_quantize(apply_rope(latent, compressed_angles), "nvfp4", NVFP4_BLOCK)
+            run_valid = None
+            if valid is not None:
+                run_valid = valid[: runs * self.ratio].unflatten(0, (runs, self.ratio)).all(1)
+            state = CSAState(compressed_kv=kv, compressed_valid=run_valid,
+                             compression_ratio=self.ratio, candidates=state.candidates)
+        elif state.compressed_kv is None or state.compression_ratio != self.ratio:
+            raise InputError(f"layer {self.layer_id} ({self.role.kind}, ratio {self.ratio}) "
+                             "needs the compressed KV of a full layer of the same ratio: pass "
+                             "the state the previous layer returned.")
+        if self.indexer is not None:
+            state = self.indexer(x, query_latent, latent, angles, compressed_angles, state)
+        if state.topk_indices is None or state.topk_indices.shape[:2] != (s, b) \
+                or state.compressed_kv.shape[:2] != (runs, b):
+            raise InputError(f"layer {self.layer_id}: the CSA2 state belongs to another batch "
+                             "or sequence.")
+        return state
+
+    def _mask(self, s: int, b: int, device, state: CSAState, valid) -> torch.Tensor:
+        """``[b, s, keys]`` bool: which window (and selected compressed) keys query i sees."""
+        positions = torch.arange(s, device=device)
+        offset = positions.unsqueeze(1) - positions.unsqueeze(0)  # query - key
+        window = ((offset >= 0) & (offset < self.window)).unsqueeze(0).expand(b, s, s)
+        if valid is not None:
+            window = window & valid.t().unsqueeze(1)
+        if not self.ratio:
+            return window
+        width = state.compressed_kv.shape[0]
+        indices = state.topk_indices.transpose(0, 1)  # [b, s, k]; -1 goes to a spare column
+        picked = torch.zeros(b, s, width + 1, dtype=torch.bool, device=device)
+        picked = picked.scatter(-1, torch.where(indices >= 0, indices, width), True)
+        return torch.cat((window, picked[..., :width]), dim=-1)
+
+    def _attend(self, query: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Softmax attention with the sink: ``query [s, b, H, d]``, ``kv [keys, b, d]``,
+        ``mask [b, s, keys]`` -> ``[s, b, H, d]`` in query's dtype."""
+        b, s = mask.shape[:2]
+        logits = torch.einsum("sbhd,tbd->bhst", query.float(), kv.float()) * self.head_dim ** -0.5
+        logits = logits.masked_fill(~mask.unsqueeze(1), -torch.inf)
+        sink = self.sinks.float().view(1, -1, 1, 1).expand(b, -1, s, 1)
+        probabilities = torch.cat((logits, sink), dim=-1).softmax(dim=-1)[..., :-1]
+        probabilities = F.dropout(probabilities, p=self.dropout, training=self.training)
+        return torch.einsum("bhst,tbd->sbhd", probabilities, kv.float()).to(query.dtype)
+
+    def _output(self, attended: torch.Tensor, angles: torch.Tensor, valid) -> torch.Tensor:
+        """The inverse rotation, ``wo_a`` per group, ``wo_b``; padding rows 0."""
+        attended = apply_rope(attended, angles, inverse=True)
+        grouped = attended.reshape(*attended.shape[:2], self.groups, -1)
+        out = self.wo_b(self.wo_a(grouped).flatten(2))[0]
+        return out if valid is None else out.masked_fill(~valid.unsqueeze(-1), 0)
