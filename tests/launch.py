@@ -118,16 +118,22 @@ def run_process(cmd, **kwargs) -> subprocess.CompletedProcess:
             record(cmd, ranks, time.perf_counter() - started)
 
 
-def torchrun(script: str, nproc: int, out_dir: Path, *args: str, timeout: int = 600) -> list[dict]:
+def torchrun(script: str, nproc: int, out_dir: Path, *args: str, timeout: int = 600,
+             forked: bool = True) -> list[dict]:
     """Launch ``tests/dist/<script>`` on ``nproc`` processes; return each rank's result dict.
 
     Each rank writes ``<out_dir>/rank<r>.json``; a non-zero exit fails with the log tail.
+    ``forked``: ranks forked from a launcher that imported torch and megatron-core once
+    (``tests/forked_torchrun.py``); ``False`` starts them as ``torchrun`` does, a fresh
+    interpreter each (for scripts whose subject is how a rank's process ends).
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
     with cpu_slots(nproc):  # the port is picked once the launch may start
+        launcher = [str(Path(__file__).parent / "forked_torchrun.py")] if forked else [
+            "-m", "torch.distributed.run"]
         cmd = [
-            sys.executable, "-m", "torch.distributed.run",
+            sys.executable, *launcher,
             f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
             str(DIST_DIR / script), "--out", str(out_dir), *args,
         ]

@@ -367,7 +367,7 @@ def test_a_rank_whose_update_fails_during_a_save_stops_the_job(tmp_path):
 
     start = time.perf_counter()
     with pytest.raises(AssertionError) as failed:
-        torchrun("host_update_faults.py", 2, tmp_path, timeout=900)
+        torchrun("host_update_faults.py", 2, tmp_path, timeout=900, forked=False)
     elapsed = time.perf_counter() - start
     log = str(failed.value)
     lines = [line for line in log.splitlines() if "host table update failed" in line]

@@ -232,7 +232,7 @@ def test_initialize_distributed_applies_and_logs_the_active_patches_once():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     version = megatron_core_version()
-    expected = ["cpu_cuda_redirects", "cpu_rng_tracker"] + [  # in the order they are applied
+    expected = list(patches.CPU_PATCHES) + [  # in the order they are applied
         n for n in patches.MEGATRON_FIXES if n in EXPECTED_FIXES[version]
     ]
     lines = proc.stdout.splitlines()

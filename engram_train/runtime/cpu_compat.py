@@ -142,3 +142,35 @@ def rng_tracker_on_cpu(ctx) -> None:
 
     ctx.set(mp_random, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state())
     ctx.set(mp_random, "_set_cuda_rng_state", lambda state, *a, **k: torch.set_rng_state(state))
+
+
+# ----------------------------------------------------------------- checkpoint writer's queue
+
+_FORKED_RESULTS_QUEUE = None
+
+
+def _forked_write_results_queue(mp_mode: str = "fork") -> Any:
+    """The queue megatron's checkpoint writer collects its write results on, served by a
+    manager started with ``fork``. megatron-core starts it with ``spawn``: a fresh interpreter
+    that imports the training script's main module again (torch and megatron-core, about 2 s
+    of CPU per saving rank at its first save). The writer's own workers are forked already
+    (``write_preloaded_data_multiproc``), so a forked manager adds no new kind of process.
+    ``mp_mode`` is megatron-core 0.19's argument; any value gets the forked manager."""
+    global _FORKED_RESULTS_QUEUE
+    if _FORKED_RESULTS_QUEUE is None:
+        import multiprocessing as mp
+
+        _FORKED_RESULTS_QUEUE = mp.get_context("fork").Manager().Queue()
+    return _FORKED_RESULTS_QUEUE
+
+
+def writer_queue_forked(ctx: Any) -> None:
+    """Patch body: the writer's queue getter (0.16: ``_get_write_results_queue``, 0.19:
+    ``get_write_results_queue``) replaced by `_forked_write_results_queue`."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    for name in ("_get_write_results_queue", "get_write_results_queue"):
+        if hasattr(filesystem_async, name):
+            ctx.set(filesystem_async, name, _forked_write_results_queue)
+            return
+    raise RuntimeError("megatron-core's filesystem_async has no write-results queue getter")

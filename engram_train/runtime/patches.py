@@ -132,6 +132,21 @@ PATCHES: tuple[Patch, ...] = (
         needed=megatron_fixes.has_cuda_rng_state_helpers,
     ),
     Patch(
+        name="cpu_forked_checkpoint_queue",
+        versions=">=0.16.1,<0.20",
+        upstream="dist_checkpointing/strategies/filesystem_async.py: _get_write_results_queue "
+        "(0.16) / get_write_results_queue (0.19) start a multiprocessing Manager with 'spawn' "
+        "at each rank's first save: a fresh interpreter importing torch and megatron-core "
+        "again (~2 s of CPU per saving rank). On CPU hosts it is started with 'fork', as the "
+        "writer's own worker processes are.",
+        verify="a start-up cost, not a failure: with ENGRAM_DISABLE_PATCHES="
+        "cpu_forked_checkpoint_queue each saving rank's first save starts a spawned "
+        "interpreter again (~2 s); every test that saves runs with the patch",
+        apply=cpu_compat.writer_queue_forked,
+        when=_no_cuda,
+        condition="no CUDA",
+    ),
+    Patch(
         name="moe_te_general_gemm_unbound",
         versions=">=0.16.1,<0.17",
         upstream="transformer/moe/moe_utils.py: router_gating_linear reads te_general_gemm, "
@@ -258,7 +273,7 @@ PATCHES: tuple[Patch, ...] = (
     ),
 )
 
-CPU_PATCHES = ("cpu_cuda_redirects", "cpu_rng_tracker")
+CPU_PATCHES = ("cpu_cuda_redirects", "cpu_rng_tracker", "cpu_forked_checkpoint_queue")
 MEGATRON_FIXES = (
     "moe_te_general_gemm_unbound",
     "mla_have_te_flag",
