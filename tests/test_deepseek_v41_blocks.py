@@ -32,6 +32,9 @@ from engram_train.models.deepseek_v41.v41_primitives import (
 
 FORWARD_TOLERANCE = 1e-6  # max abs
 GRADIENT_TOLERANCE = 1e-5  # max abs over the gradient's max abs
+# the 8-layer stack compounds the blocks' last-bit differences over 16 sublayers (measured:
+# forward 2.9e-7 of the output's max, gradients up to 9e-6 of their max, in mHC's `scale`)
+STACK_TOLERANCE = {"forward": 1e-6, "gradient": 5e-5}
 SEQ, BATCH, HIDDEN = 24, 2, 64
 # 8 layers, every CSA2 role: window, full (ratio 2), reindex, reuse, full (ratio 1, candidate
 # source), reuse, reindex inside the candidates, reuse
@@ -250,7 +253,7 @@ def nemo():
 
 
 def attention_state_dict(nemo_state: dict) -> dict:
-    return {("sinks" if k == "sinks_param.weight" else k): v for k, v in nemo_state.items()}
+    return {("attn_sink" if k == "sinks_param.weight" else k): v for k, v in nemo_state.items()}
 
 
 def moe_state_dict(nemo_state: dict, prefix: str = "") -> dict:
@@ -277,7 +280,7 @@ def layer_state_dict(nemo_state: dict) -> dict:
     ours = moe_state_dict(nemo_state, "ffn.")
     for k, v in nemo_state.items():
         if k.startswith(("attn.", "attn_norm.", "ffn_norm.", "attn_hc.", "ffn_hc.")):
-            ours["attn.sinks" if k == "attn.sinks_param.weight" else k] = v
+            ours["attn.attn_sink" if k == "attn.sinks_param.weight" else k] = v
     return ours
 
 
@@ -291,15 +294,15 @@ def mapped_grads(module, mapping) -> dict:
     return out
 
 
-def assert_close_grads(ours: dict, theirs: dict) -> float:
-    """Every gradient of NeMo's within GRADIENT_TOLERANCE of ours (relative to its max)."""
+def assert_close_grads(ours: dict, theirs: dict, tolerance: float = GRADIENT_TOLERANCE) -> float:
+    """Every gradient of NeMo's within `tolerance` of ours (relative to its max)."""
     worst = 0.0
     assert set(ours) == set(theirs), set(ours) ^ set(theirs)
     for name, grad in theirs.items():
         mine = ours[name]
         mine = mine[0] if len(mine) == 1 else torch.cat(mine, dim=-1)
         error = ((mine - grad).abs().max() / grad.abs().max().clamp_min(1e-30)).item()
-        assert error <= GRADIENT_TOLERANCE, (name, error)
+        assert error <= tolerance, (name, error)
         worst = max(worst, error)
     return worst
 
@@ -442,7 +445,7 @@ def test_attention_and_csa2_match_nemo(one_rank, nemo, padded):
     for x, grad in zip(inputs, result["input_grads"]):
         assert max_error(seq_first(x.grad), grad) <= FORWARD_TOLERANCE
     for layer, grads in zip(layers, result["grads"]):
-        ours = mapped_grads(layer, lambda n: ("sinks_param.weight" if n == "sinks" else n,
+        ours = mapped_grads(layer, lambda n: ("sinks_param.weight" if n == "attn_sink" else n,
                                               identity))
         assert_close_grads(ours, grads)
     assert all(not p.requires_grad for layer in layers if layer.indexer is not None
@@ -513,7 +516,7 @@ def test_single_pass_mhc_matches_nemo(nemo):
 
 
 def layer_grad_name(name: str):
-    if name == "attn.sinks":
+    if name == "attn.attn_sink":
         return "attn.sinks_param.weight", identity
     return moe_grad_name(name, "ffn.") if name.startswith("ffn.") else (name, identity)
 
@@ -531,16 +534,15 @@ def test_layer_stack_matches_nemo(one_rank, nemo, padded):
     for layer in layers:
         x, pre, state = layer(x, pre, state, seq_first(padding_mask()) if padded else None)
     out = collapse(x, pre)
-    # 16 sublayers compound last-bit differences: the stack is held to 1e-6 of its largest
-    # output (outputs up to ~7 here), each block alone to 1e-6 absolute
-    scale = result["output"].abs().max().item()
-    assert max_error(seq_first(out), result["output"]) <= FORWARD_TOLERANCE * scale
+    scale = result["output"].abs().max().item()  # ~7
+    assert max_error(seq_first(out), result["output"]) <= STACK_TOLERANCE["forward"] * scale
     assert max_error(seq_first(pre), result["pre"]) <= FORWARD_TOLERANCE
     (seq_first(out) * weights(result["output"].shape, 401)).sum().backward()
     assert max_error(seq_first(streams.grad), result["input_grad"]) \
         <= GRADIENT_TOLERANCE * result["input_grad"].abs().max().item()
     for layer, grads in zip(layers, result["grads"]):
-        assert_close_grads(mapped_grads(layer, layer_grad_name), grads)
+        assert_close_grads(mapped_grads(layer, layer_grad_name), grads,
+                           STACK_TOLERANCE["gradient"])
 
 
 def test_wrong_inputs_are_refused(one_rank):

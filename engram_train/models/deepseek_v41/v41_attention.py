@@ -126,14 +126,13 @@ class DeepseekV41Attention(nn.Module):
         self.wo_a = GroupedLinear(self.num_heads * self.head_dim // self.groups,
                                   args.o_lora_rank, self.groups, **factory)
         self.wo_b = row(self.groups * args.o_lora_rank, args.hidden_size, std)
-        self.sinks = nn.Parameter(torch.zeros(self.num_heads, device=device,
+        self.attn_sink = nn.Parameter(torch.zeros(self.num_heads, device=device,
                                               dtype=torch.float32))
         self.compressor = (DeepseekV41Compressor(args, self.ratio, **factory)
                            if self.role.kv_source else None)
         self.indexer = (DeepseekV41Indexer(args, self.role, **factory)
                         if self.role.index_source else None)
-        self.register_buffer("frequencies", layer_frequencies(args, bool(self.ratio), device),
-                             persistent=False)
+        self.rope_args = args  # frequencies per call: a float buffer would follow a bf16 cast
         self.reset_parameters(std)
 
     @torch.no_grad()
@@ -146,7 +145,7 @@ class DeepseekV41Attention(nn.Module):
                 nn.init.ones_(module.weight)
         for weight in (self.wq_b.weight, self.wo_a.weight, self.wo_b.weight):
             nn.init.normal_(weight, mean=0.0, std=std)
-        nn.init.zeros_(self.sinks)
+        nn.init.zeros_(self.attn_sink)
 
     def forward(self, x: torch.Tensor, state: CSAState | None = None,
                 valid: torch.Tensor | None = None) -> tuple[torch.Tensor, CSAState]:
@@ -157,26 +156,28 @@ class DeepseekV41Attention(nn.Module):
             raise InputError(f"valid must be a bool [s, b] = [{s}, {b}] mask, got "
                              f"{tuple(valid.shape)} {valid.dtype}.")
         state = CSAState() if state is None else state
-        angles = rope_angles(torch.arange(s, device=x.device), self.frequencies)
+        frequencies = layer_frequencies(self.rope_args, bool(self.ratio), x.device)
+        angles = rope_angles(torch.arange(s, device=x.device), frequencies)
         query_latent = self.q_norm(self.wq_a(x))
         query = apply_rope(self.wq_b(query_latent)[0].unflatten(-1, (self.num_heads, -1)),
                            angles)
         kv = fake_quantize(apply_rope(self.kv_norm(self.wkv(x)), angles), "fp8", FP8_BLOCK)
         if self.ratio:
-            state = self._compressed_state(x, query_latent, angles, state, valid)
+            state = self._compressed_state(x, query_latent, frequencies, angles, state, valid)
         mask = self._mask(s, b, x.device, state, valid)
         if self.ratio:
             kv = torch.cat((kv, state.compressed_kv), dim=0)
         attended = self._attend(query, kv, mask)
         return self._output(attended, angles, valid), state
 
-    def _compressed_state(self, x, query_latent, angles, state: CSAState, valid) -> CSAState:
+    def _compressed_state(self, x, query_latent, frequencies, angles, state: CSAState,
+                          valid) -> CSAState:
         """This layer's CSA2 state: a full layer's new compressed KV, an index layer's new
         selection, or the state as given (reuse)."""
         s, b = x.shape[:2]
         runs = s // self.ratio
         compressed_angles = rope_angles(torch.arange(0, runs * self.ratio, self.ratio,
-                                                     device=x.device), self.frequencies)
+                                                     device=x.device), frequencies)
         latent = None
         if self.compressor is not None:
             latent = self.compressor(x)
@@ -219,7 +220,7 @@ class DeepseekV41Attention(nn.Module):
         b, s = mask.shape[:2]
         logits = torch.einsum("sbhd,tbd->bhst", query.float(), kv.float()) * self.head_dim ** -0.5
         logits = logits.masked_fill(~mask.unsqueeze(1), -torch.inf)
-        sink = self.sinks.float().view(1, -1, 1, 1).expand(b, -1, s, 1)
+        sink = self.attn_sink.float().view(1, -1, 1, 1).expand(b, -1, s, 1)
         probabilities = torch.cat((logits, sink), dim=-1).softmax(dim=-1)[..., :-1]
         probabilities = F.dropout(probabilities, p=self.dropout, training=self.training)
         return torch.einsum("bhst,tbd->sbhd", probabilities, kv.float()).to(query.dtype)
