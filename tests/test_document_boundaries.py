@@ -87,7 +87,7 @@ def test_hash_block_without_reset_is_hash_stacked():
 def test_streamed_distances_and_conv_equal_the_whole_sequence():
     """Decoding in chunks (EngramMemory, the Hugging Face class) carries where the next token
     lies in its document; chunk by chunk equals the whole sequence."""
-    from engram_train.inference.incremental_hash import continue_document_distance
+    from engram_train.engram.incremental_hash import continue_document_distance
     from engram_train.inference.memory import _StreamingShortConv
 
     rng = np.random.default_rng(3)

@@ -189,7 +189,7 @@ def test_import_on_any_layout_holds_the_weights_alone_and_exports_back_exactly(
     """One process and TP2 x EP2: a model-only checkpoint (iteration 0, no optimizer or
     scheduler state) whose export is the source function (logits within 1e-5)."""
     from engram_train.export.checkpoint_reader import DistCheckpointReader
-    from engram_train.hf.export import export_hf
+    from engram_train.export.hf_export import export_hf
 
     ckpt = request.getfixturevalue(layout)
     manifest = json.loads((ckpt / "iter_0000000" / "manifest.json").read_text())

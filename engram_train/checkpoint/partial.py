@@ -28,16 +28,19 @@ from engram_train.checkpoint.state import (
     model_sharded_state_dict,
     saved_metadata,
 )
-from engram_train.runtime.megatron_fixes import CHAIN_BY_ROLE
+from engram_train.runtime.megatron_fixes import CHAIN_BY_ROLE, ENGRAM_CHAIN_ROLE
+
+
+def _is_table_optimizer(optimizer) -> bool:
+    """The Engram table optimizer declares its ``chain_role``; megatron's optimizers do not."""
+    return getattr(optimizer, "chain_role", None) == ENGRAM_CHAIN_ROLE
 
 
 def optimizer_parts(optimizer) -> tuple[list, list]:
     """(megatron's optimizers, Engram table optimizers) of what `build_optimizer` returned."""
-    from engram_train.training.engram_optimizer import EngramTableOptimizer
-
     chain = optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
-    parts = [o for o in chain if not isinstance(o, EngramTableOptimizer)]
-    tables = [o for o in chain if isinstance(o, EngramTableOptimizer)]
+    parts = [o for o in chain if not _is_table_optimizer(o)]
+    tables = [o for o in chain if _is_table_optimizer(o)]
     if chain[: len(parts)] != parts:
         raise CheckpointError("the Engram table optimizer must come after megatron's in the chain")
     return parts, tables

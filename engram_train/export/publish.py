@@ -55,7 +55,7 @@ FORMATS = {
     for f in (
         ExportFormat("engram", "engram_train.export.exporter:export_checkpoint",
                      "this project's inference export (docs/export.md)", options=("table_dtype",)),
-        ExportFormat("hf", "engram_train.hf.export:export_hf",
+        ExportFormat("hf", "engram_train.export.hf_export:export_hf",
                      "a transformers model folder (docs/huggingface.md)"),
     )
 }

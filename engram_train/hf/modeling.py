@@ -40,7 +40,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
 from engram_train.engram.engram_module import Engram, ShortConv
 from engram_train.errors import InputError
 from engram_train.hf.configuration import MODEL_TYPE, EngramDeepseekV3Config
-from engram_train.inference.incremental_hash import (
+from engram_train.engram.incremental_hash import (
     IncrementalNgramHasher,
     continue_document_distance,
 )

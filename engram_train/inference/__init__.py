@@ -5,7 +5,7 @@ whole) and runs the three per-step stages a serving stack needs; docs/export.md 
 `load_layer_state` and `megatron_state_dict` hand the export's tensors to other consumers.
 """
 
-from engram_train.inference.incremental_hash import IncrementalNgramHasher
+from engram_train.engram.incremental_hash import IncrementalNgramHasher
 from engram_train.inference.memory import EngramMemory, EngramState, gather_table_rows
 from engram_train.inference.weights import load_layer_state, megatron_state_dict
 

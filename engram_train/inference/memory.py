@@ -44,7 +44,7 @@ from engram_train.export.format import (
     primes_tensor,
 )
 from engram_train.export.safetensors_io import MappedSafetensors
-from engram_train.inference.incremental_hash import (
+from engram_train.engram.incremental_hash import (
     IncrementalNgramHasher,
     continue_document_distance,
 )

@@ -327,6 +327,9 @@ def load_embedded_common_state(ctx) -> None:
 # keyed by role instead of position (see `key_chain_by_role`). Checkpoints record it in their
 # content metadata, so a loader requests a checkpoint's optimizer state in the layout it was saved.
 CHAIN_BY_ROLE = "engram_chain_by_role"
+# The ``chain_role`` of the Engram table optimizer (training/engram_optimizer.py): its state's key
+# in the chain, and how checkpoint code tells it from megatron's optimizers without importing it.
+ENGRAM_CHAIN_ROLE = "engram"
 # The step counts of a megatron optimizer's state: torch Adam's per-group "step" (the distributed
 # optimizer puts it in its param_groups) and the common per-parameter step of the others.
 _STEP_KEYS = ("step", "common_step")

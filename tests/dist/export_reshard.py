@@ -50,7 +50,7 @@ def input_ids(vocab: int, pad_id: int) -> torch.Tensor:
 def compare_hf_exports(sharded: Path, single: Path, config: Path, out: Path) -> None:
     """``engram-export --format hf`` of the TP2 x PP2 x eps 2 checkpoint and of its single-rank
     copy: the same files, byte for byte."""
-    from engram_train.hf.export import export_hf
+    from engram_train.export.hf_export import export_hf
 
     a = export_hf(sharded, out / "hf_sharded", config=config, log=lambda _: None)
     b = export_hf(single, out / "hf_single", config=config, log=lambda _: None)

@@ -36,7 +36,7 @@ from huggingface_models import (
 from omegaconf import OmegaConf, open_dict
 
 from engram_train.checkpoint import load_checkpoint, save_checkpoint
-from engram_train.hf.export import export_hf
+from engram_train.export.hf_export import export_hf
 from engram_train.models.builder import build_model
 from engram_train.runtime import ParallelSizes, initialize_distributed
 from engram_train.training.run_config import build_transformer_config

@@ -21,11 +21,20 @@ from pathlib import Path
 
 import torch
 
+from engram_train.config import EngramConfig, resolve
+from engram_train.data import load_tokenizer
+from engram_train.engram.compressed_tokenizer import TokenizerNotFoundError, resolve_tokenizer_file
 from engram_train.export.checkpoint_reader import DistCheckpointReader, StoredTensor
+from engram_train.export.config_source import find_run_config
+from engram_train.export.errors import ExportError
+from engram_train.export.exporter import plan_export
+from engram_train.export.locate import resolve_checkpoint, verify_files
+from engram_train.export.publish import check_out, publish, stderr_log
 from engram_train.export.safetensors_io import SafetensorsWriter, TensorSpec, shard_groups
 from engram_train.hf.config_map import HFConfigError, hf_config
 from engram_train.hf.names import Piece, UnmappedTensorError, hf_pieces
 from engram_train.hf.remote_code import AUTO_MAP, write_remote_code
+from engram_train.training.run_config import padded_vocab_size
 
 INDEX_FILE = "model.safetensors.index.json"
 FILE_METADATA = {"format": "pt"}
@@ -133,8 +142,6 @@ def write_weights(folder: Path, reader: DistCheckpointReader, items: list[_Item]
 
 def engram_extras(plan) -> tuple[dict, dict[str, torch.Tensor]]:
     """(config.json's ``engram`` section, the hash-constant tensors) of an Engram export plan."""
-    from engram_train.config import EngramConfig
-
     engram, mapping = plan.engram, plan.mapping
     section = {name: getattr(engram, name) for name in EngramConfig.field_names()
                if name not in ("engram_tokenizer_name_or_path",)}
@@ -150,8 +157,6 @@ def engram_extras(plan) -> tuple[dict, dict[str, torch.Tensor]]:
 
 def mhc_section(model: dict) -> dict:
     """config.json's ``hyper_connections`` section: what the mHC mappings need."""
-    from engram_train.config import resolve
-
     mhc = resolve(model)
     return {"num_residual_streams": int(mhc["num_residual_streams"]),
             "sinkhorn_iterations": int(mhc["mhc_sinkhorn_iterations"]),
@@ -167,12 +172,6 @@ def write_tokenizer(folder: Path, tokenizer_file: Path, eos_token: str | None = 
 
 
 def _tokenizer_file(tokenizer, run_config: dict, where: str) -> Path:
-    from engram_train.engram.compressed_tokenizer import (
-        TokenizerNotFoundError,
-        resolve_tokenizer_file,
-    )
-    from engram_train.export.errors import ExportError
-
     named = tokenizer or (run_config.get("data") or {}).get("tokenizer")
     if not named:
         raise ExportError(f"{where} names no data.tokenizer: pass --tokenizer")
@@ -186,14 +185,6 @@ def export_hf(load, out, *, iteration=None, config=None, tokenizer=None, force=F
               max_shard_bytes: int = 5 * 2**30, verify=True,
               log: Callable[[str], None] | None = None) -> Path:
     """Write checkpoint `load` as a transformers model folder `out` (module docstring)."""
-    from engram_train.data import load_tokenizer
-    from engram_train.export.config_source import find_run_config
-    from engram_train.export.errors import ExportError
-    from engram_train.export.exporter import plan_export
-    from engram_train.export.locate import resolve_checkpoint, verify_files
-    from engram_train.export.publish import check_out, publish, stderr_log
-    from engram_train.training.run_config import padded_vocab_size
-
     log = log or stderr_log
     out = check_out(out, load, force=force)
     root, directory, iteration = resolve_checkpoint(load, iteration)
