@@ -3,7 +3,8 @@
 Each block (`engram_train.models.deepseek_v41`) gets NeMo's weights through a name map, with
 the norms, sinks, mHC parameters and the router's correction bias moved away from their init,
 and must agree in float32 on the CPU: the forward within 1e-6 (max abs), every gradient within
-1e-5 of the largest, the CSA2 selections and candidates equal. NeMo comes from the side folder
+1e-5 of the largest, the CSA2 selections and candidates equal; the 8-layer stack, where the
+blocks' last-bit differences compound, within 1e-6 of its largest output and 5e-5 for gradients. NeMo comes from the side folder
 ``.v41-ref`` (tests/v41_reference.py; without it these tests fail and name ``make v41-ref``).
 Inputs are batch-first on NeMo's side, sequence-first on ours.
 """
