@@ -14,6 +14,7 @@ import fcntl
 import json
 import os
 import re
+import resource
 import socket
 import subprocess
 import sys
@@ -97,11 +98,20 @@ def kind_of(cmd) -> str:
     return "torchrun script" if str(DIST_DIR) in text else "command"
 
 
-def record(cmd, ranks: int, seconds: float) -> None:
-    """With ``ENGRAM_TEST_TIMINGS=<file>``, one JSON line per launch (docs/testing.md's table)."""
+def children_cpu_seconds() -> float:
+    """CPU seconds (user + system) of this process's finished children: its difference around
+    a launch is the launch's CPU time (a pytest worker runs one test at a time)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def record(cmd, ranks: int, seconds: float, cpu_seconds: float | None = None) -> None:
+    """With ``ENGRAM_TEST_TIMINGS=<file>``, one JSON line per launch (docs/testing.md's table):
+    wall seconds and, where known, the CPU seconds of the launch's processes."""
     path = os.environ.get("ENGRAM_TEST_TIMINGS")
     if path:
         line = dict(kind=kind_of(cmd), ranks=ranks, seconds=round(seconds, 2),
+                    cpu_seconds=None if cpu_seconds is None else round(cpu_seconds, 2),
                     test=os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0])
         with open(path, "a") as handle:
             handle.write(json.dumps(line) + "\n")
@@ -111,11 +121,11 @@ def run_process(cmd, **kwargs) -> subprocess.CompletedProcess:
     """``subprocess.run`` holding one CPU slot per rank of ``cmd``."""
     ranks = kwargs.pop("ranks", None) or ranks_of(cmd)
     with cpu_slots(ranks):
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), children_cpu_seconds()
         try:
             return subprocess.run(cmd, **kwargs)
         finally:
-            record(cmd, ranks, time.perf_counter() - started)
+            record(cmd, ranks, time.perf_counter() - started, children_cpu_seconds() - cpu)
 
 
 def torchrun(script: str, nproc: int, out_dir: Path, *args: str, timeout: int = 600,
@@ -137,9 +147,9 @@ def torchrun(script: str, nproc: int, out_dir: Path, *args: str, timeout: int = 
             f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
             str(DIST_DIR / script), "--out", str(out_dir), *args,
         ]
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), children_cpu_seconds()
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-        record(cmd, nproc, time.perf_counter() - started)
+        record(cmd, nproc, time.perf_counter() - started, children_cpu_seconds() - cpu)
     if proc.returncode != 0:
         raise AssertionError(
             f"torchrun {script} failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"

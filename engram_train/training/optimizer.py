@@ -19,6 +19,8 @@ from megatron.core.optimizer import (
 )
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from engram_train.config.model import uses_engram
+
 if TYPE_CHECKING:
     from engram_train.config.composed import ModelConfig
 
@@ -26,7 +28,7 @@ if TYPE_CHECKING:
 def build_optimizer(opt_config: OptimizerConfig, model_chunks: list, model_config: ModelConfig):
     """megatron's optimizer for ``model_chunks`` (DDP-wrapped), plus the Engram table optimizer."""
     overrides = get_standard_config_overrides(opt_config)
-    if not model_config.use_engram:
+    if not uses_engram(model_config):  # megatron's own config (no Engram fields) too
         return get_megatron_optimizer(opt_config, model_chunks, config_overrides=overrides)
 
     from engram_train.parallel.groups import table_gradient_groups
