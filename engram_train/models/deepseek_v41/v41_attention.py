@@ -90,15 +90,23 @@ def parallel_linears(config, tp_group):
 
 
 def tensor_parallel_size(tp_group) -> int:
+    """The size of `tp_group`; without one, of the group megatron's linears default to."""
     import torch.distributed as dist
+    from megatron.core import parallel_state
 
-    return 1 if tp_group is None or not dist.is_initialized() else dist.get_world_size(tp_group)
+    if not dist.is_initialized():
+        return 1
+    if tp_group is None:
+        return (parallel_state.get_tensor_model_parallel_world_size()
+                if parallel_state.model_parallel_is_initialized() else 1)
+    return dist.get_world_size(tp_group)
 
 
 class DeepseekV41Attention(nn.Module):
     """The attention of layer `layer_id` (module docstring). `args` is a
     ``DeepseekV41BackboneArgs``; `config` the megatron ``ModelParallelConfig`` (or
-    ``TransformerConfig``) of the column/row-parallel projections, `tp_group` their group.
+    ``TransformerConfig``) of the column/row-parallel projections (their dtype is its
+    ``params_dtype``; `dtype` is that of the others), `tp_group` their group.
     ``forward(x, state, valid)`` takes ``x [s, b, hidden]``, the `CSAState` the previous layer
     returned (a fresh one before layer 0) and optional ``valid [s, b]`` bool; it returns
     ``(y [s, b, hidden], state)``."""
