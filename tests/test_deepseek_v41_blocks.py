@@ -118,7 +118,7 @@ def perturb(module, seed: int) -> None:
             b.copy_(0.3 * torch.randn(b.shape, generator=g))
 
 
-def nemo_attention_stack(valid):
+def nemo_attention_stack(valid, seq: int = SEQ):
     """NeMo's attention for layers 0..7 chained, and the gradients of a fixed loss."""
     from nemo_automodel.components.models.deepseek_v41.attention import (
         DeepseekV41Attention as NemoAttention,
@@ -131,8 +131,8 @@ def nemo_attention_stack(valid):
     for i, layer in enumerate(layers):
         layer.reset_parameters(0.05)
         perturb(layer, i)
-    inputs = [weights((BATCH, SEQ, HIDDEN), 100 + i).requires_grad_() for i in range(8)]
-    positions = torch.arange(SEQ).expand(BATCH, -1)
+    inputs = [weights((BATCH, seq, HIDDEN), 100 + i).requires_grad_() for i in range(8)]
+    positions = torch.arange(seq).expand(BATCH, -1)
     mask = None if valid is None else valid.long()
     state, outputs, states = DeepseekV41AttentionState(), [], []
     for layer, x in zip(layers, inputs):
@@ -244,6 +244,7 @@ def nemo():
         return {
             "attention": nemo_attention_stack(None),
             "attention_padded": nemo_attention_stack(padding_mask()),
+            "attention_odd": nemo_attention_stack(None, SEQ - 1),
             "moe": nemo_moe(None), "moe_padded": nemo_moe(padding_mask()),
             "layers": nemo_layer_stack(None), "layers_padded": nemo_layer_stack(padding_mask()),
             "mhc": nemo_hyper_connection(),
@@ -418,12 +419,14 @@ def test_schedules_the_blocks_cannot_run_are_refused(change, message):
 # --- the blocks ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("padded", [False, True], ids=["full", "right_padding"])
-def test_attention_and_csa2_match_nemo(one_rank, nemo, padded):
+@pytest.mark.parametrize("case", ["attention", "attention_padded", "attention_odd"],
+                         ids=["full", "right_padding", "incomplete_last_run"])
+def test_attention_and_csa2_match_nemo(one_rank, nemo, case):
     """Eight layers, every CSA2 role, chained through the state: outputs, the selections and
-    candidates, the compressed KV, and the gradients of the inputs and of every parameter."""
-    result = nemo["attention_padded" if padded else "attention"]
-    valid = seq_first(padding_mask()) if padded else None
+    candidates, the compressed KV, and the gradients of the inputs and of every parameter;
+    with right padding, and with a sequence whose last ratio-2 run is incomplete."""
+    result = nemo[case]
+    valid = seq_first(padding_mask()) if case == "attention_padded" else None
     layers = [DeepseekV41Attention(ARGS, i, megatron_config()) for i in range(8)]
     assert [layer.role.kind for layer in layers] == KINDS
     for layer, state_dict in zip(layers, result["state_dicts"]):
