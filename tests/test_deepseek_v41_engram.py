@@ -230,7 +230,9 @@ def test_hash_inputs_numpy_torch_and_one_row(lookup):
     assert np.array_equal(stacked.numpy(),
                           mapping.hash_stacked(ids.numpy(), mask.numpy(), documents.numpy()))
     assert torch.equal(mapping.hash_stacked(ids[1], mask[1], documents[1]), stacked[:, 1])
-    assert torch.equal(mapping.hash_block(ids, mask, documents), stacked)
+    assert torch.equal(mapping.hash_block(ids, None, documents), mapping.hash_stacked(ids, None, documents))
+    block = mapping.hash_block(ids, mask, documents)  # the token mask rides as slice L
+    assert torch.equal(block[:2], stacked) and torch.equal(block[2, ..., 0], mask.long())
     assert torch.equal(mapping(ids, mask, documents)[3], stacked[1])
     copy = pickle.loads(pickle.dumps(mapping))  # as a data-loader worker receives it
     assert copy.args == ARGS and torch.equal(copy.hash_stacked(ids, mask, documents), stacked)

@@ -13,6 +13,7 @@ OPTIMIZER_STATE_DTYPES = ("fp32", "bf16")
 ENGRAM_TABLE_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # config value -> torch dtype name
 ENGRAM_VALUE_INITS = ("normal", "zero")
 TABLE_PLACEMENTS = ("device", "host")
+ENGRAM_VARIANTS = ("paper", "deepseek_v41")
 
 # {field: (names, what they mean)}
 CHOICES = {
@@ -35,6 +36,10 @@ CHOICES = {
         TABLE_PLACEMENTS,
         "'device' keeps the tables with the model, 'host' keeps them (and their optimizer "
         "state) in host memory"),
+    "engram_variant": (
+        ENGRAM_VARIANTS,
+        "'paper' (DeepSeek's Engram paper: short conv, per-stream key projections) or "
+        "'deepseek_v41' (DeepSeek-V4.1's branch: fused wkv, no conv; docs/deepseek-v41.md)"),
     "engram_value_init": (
         ENGRAM_VALUE_INITS,
         "'zero' starts the value projection at zero (the model keeps its function at step 0)"),

@@ -9,6 +9,7 @@ so that ``import engram_train`` does not import megatron.
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 import os
 from collections.abc import Mapping, Sequence
@@ -26,6 +27,12 @@ class EngramConfig:
 
     use_engram: bool = False
     """Add Engram branches to the layers in `engram_layer_ids`."""
+
+    engram_variant: str = "paper"
+    """Which Engram branch: 'paper' (DeepSeek's Engram paper: short conv, per-stream key
+    projections with biases) or 'deepseek_v41' (DeepSeek-V4.1's: one fused ``wkv``, no conv,
+    look-back that stops at document starts and padding). The hash, table and optimizer
+    fields mean the same under both; V4.1's names and the rules are in docs/deepseek-v41.md."""
 
     engram_tokenizer_name_or_path: str | None = None
     """Local `tokenizer.json`, or a folder holding it; defines the compressed vocabulary."""
@@ -96,6 +103,12 @@ class EngramConfig:
 
     engram_init_std: float = 0.02
     """Std of the normal init of Engram tables and projections."""
+
+    engram_gate_eps: float | None = None
+    """``engram_variant=deepseek_v41``: epsilon of the gate's RMS norms (V4.1's
+    ``rms_norm_eps``). None: the backbone's ``layernorm_epsilon`` (V4.1 uses one epsilon for
+    both), or V4.1's 1e-20 for a config without a backbone. The paper gate keeps float32's
+    machine epsilon, so the field is refused there."""
 
     engram_value_init: str = "normal"
     """Init of Engram's value projection: 'normal' (N(0, engram_init_std^2)) or 'zero': the branch
@@ -182,7 +195,7 @@ class EngramConfig:
                 raise ConfigTypeError(f"{name} must be a bool (True/False), got {value!r}.")
             if kind == "int" or (kind == "int | None" and value is not None):
                 require_int(name, value)
-            if kind == "float":
+            if kind == "float" or (kind == "float | None" and value is not None):
                 if isinstance(value, bool) or not isinstance(value, numbers.Real):
                     raise ConfigTypeError(f"{name} must be a number, got {value!r}.")
                 setattr(self, name, float(value))
@@ -301,6 +314,38 @@ class EngramConfig:
         if not self.engram_init_std > 0:
             raise ConfigError(f"engram_init_std={self.engram_init_std} must be > 0.")
         self._check_table_precision()
+        self._check_variant()
+
+    def _check_variant(self) -> None:
+        """The fields one variant cannot honour, each refused in one line naming the fix."""
+        eps = self.engram_gate_eps
+        if self.engram_variant != "deepseek_v41":
+            if eps is not None:
+                raise ConfigError(
+                    f"engram_gate_eps={eps} applies to engram_variant=deepseek_v41 (the paper "
+                    "gate's norms use float32's machine epsilon): drop it or set the variant.")
+            return
+        if eps is not None and not (math.isfinite(eps) and eps > 0):
+            raise ConfigError(f"engram_gate_eps={eps} must be finite and > 0 (V4.1: 1e-20).")
+        if len(set(self.engram_vocab_size)) != 1:
+            raise ConfigError(
+                f"engram_vocab_size={self.engram_vocab_size} differs between n-gram orders; "
+                "engram_variant=deepseek_v41 has one table size for every order: give "
+                f"{self.max_ngram_size - 1} equal values.")
+        if self.engram_kernel_size != _default_of("engram_kernel_size"):
+            raise ConfigError(
+                f"engram_kernel_size={self.engram_kernel_size} has no meaning under "
+                "engram_variant=deepseek_v41 (V4.1's branch has no short conv): drop it or "
+                f"leave the default {_default_of('engram_kernel_size')}.")
+        if self.engram_value_init != "normal":
+            raise ConfigError(
+                f"engram_value_init={self.engram_value_init!r} is not supported with "
+                "engram_variant=deepseek_v41 (its value is a slice of the fused wkv): set "
+                "engram_value_init=normal.")
+        if self.engram_one_row_per_head:
+            raise ConfigError(
+                "engram_one_row_per_head=true is not supported with engram_variant=deepseek_v41 "
+                "(V4.1's table rows are the sums of its primes): set it to false.")
 
     def _check_table_precision(self) -> None:
         """Master weights and the moment dtype only apply where they change something."""
@@ -337,6 +382,11 @@ def uses_engram(config: Any) -> bool:
 
 def _default(f: dataclasses.Field) -> Any:
     return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
+def _default_of(name: str) -> Any:
+    """EngramConfig's default of field ``name``."""
+    return next(_default(f) for f in dataclasses.fields(EngramConfig) if f.name == name)
 
 
 def resolve(model: Mapping[str, Any]) -> dict[str, Any]:

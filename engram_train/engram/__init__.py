@@ -14,12 +14,20 @@ from engram_train.engram.ngram_hash import (
 from engram_train.engram.engram_module import Engram, ShortConv
 from engram_train.engram.reference_io import load_reference_state_dict
 from engram_train.engram.compressed_tokenizer import CompressedTokenizer
+from engram_train.engram.v41_ngram_hash import DeepseekV41EngramArgs, DeepseekV41NgramHashMapping
+from engram_train.engram.v41_engram_module import DeepseekV41Engram
+from engram_train.engram.variant import build_hash_mapping, engram_branch_class
 
 __all__ = [
     "CompressedTokenizer",
+    "DeepseekV41Engram",
+    "DeepseekV41EngramArgs",
+    "DeepseekV41NgramHashMapping",
     "Engram",
     "MultiHeadEmbedding",
     "ShortConv",
+    "build_hash_mapping",
+    "engram_branch_class",
     "load_reference_state_dict",
     "mark_engram_param",
     "partition_invariant_normal_",

@@ -118,10 +118,24 @@ class DeepseekV41Engram(nn.Module):
         if include_table:
             self.multi_head_embedding.reset_parameters()
 
-    # The table's lookup and its checkpoint view are the paper module's.
+    # The table's lookup is the paper module's.
     lookup = Engram.lookup
     issue_lookup = Engram.issue_lookup
-    sharded_state_dict = Engram.sharded_state_dict
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
+        """megatron dist_checkpointing view: the paper module's (the table row-sharded, every
+        child replicated) plus the gate weights, parameters of this module itself."""
+        from megatron.core.transformer.utils import sharded_state_dict_default
+
+        from engram_train.engram.tables import _tensor_parallel_group
+
+        state = Engram.sharded_state_dict(self, prefix, sharded_offsets, metadata)
+        own = nn.Module()  # holds the same Parameter objects (the optimizer maps by identity)
+        for name, param in self.named_parameters(recurse=False):
+            own.register_parameter(name, param)
+        state.update(sharded_state_dict_default(own, prefix, sharded_offsets, metadata,
+                                                tp_group=_tensor_parallel_group()))
+        return state
 
     def forward(
         self,

@@ -10,8 +10,8 @@ would read from there on (``t`` itself included when ``t`` is dead) is the compr
 so ``t`` sees only the live run of its own document that ends at ``t``. Ids are bit-exact with
 NeMo Automodel 0.7.0's ``DeepseekV41NgramHash`` (tests/test_deepseek_v41_engram.py).
 
-`DeepseekV41EngramArgs` holds the V4.1 fields under V4.1's names until `EngramConfig` carries
-them (docs/deepseek-v41.md).
+`DeepseekV41EngramArgs` holds the V4.1 fields under V4.1's names; `engram/variant.py` maps an
+`EngramConfig` with ``engram_variant=deepseek_v41`` onto them (docs/deepseek-v41.md).
 """
 
 from __future__ import annotations
@@ -136,9 +136,10 @@ class DeepseekV41NgramHashMapping(NgramHashMapping):
     ``hash``/``hash_stacked``/``hash_block`` take, beside the raw ids [B, T] (or [T]), the
     optional ``token_mask`` (bool, False: a dead token) and ``sequence_ids`` (int document ids,
     0: padding) of the same shape, numpy or torch. The values are head-local as in the paper
-    variant (`table_rows` adds the head offsets); V4.1 has no short conv, so `hash_block` is
-    `hash_stacked`. ``tokenizer``: a `CompressedTokenizer`, its lookup array, or the path of a
-    ``tokenizer.json`` (or its folder).
+    variant (`table_rows` adds the head offsets). ``tokenizer``: a `CompressedTokenizer`, its
+    lookup array, or the path of a ``tokenizer.json`` (or its folder). ``eos_id``: where no
+    ``sequence_ids`` are given, documents end at this raw id (`document_ids`; the trainer's
+    EOS-delimited rows with ``engram_reset_at_eos``); None: a row is one document.
     """
 
     def __init__(
@@ -146,11 +147,17 @@ class DeepseekV41NgramHashMapping(NgramHashMapping):
         args: DeepseekV41EngramArgs,
         tokenizer: CompressedTokenizer | np.ndarray | str | os.PathLike,
         num_threads: int = 1,
+        eos_id: int | None = None,
     ) -> None:
         if isinstance(tokenizer, (str, os.PathLike)):
             tokenizer = CompressedTokenizer(tokenizer)
         super().__init__(args.paper_fields(), tokenizer, num_threads=num_threads)
         self.args = args
+        if eos_id is not None:
+            if isinstance(eos_id, bool) or not 0 <= int(eos_id) < self.num_raw_ids:
+                raise ConfigError(f"engram_eos_id={eos_id} must be a raw id in "
+                                  f"[0, {self.num_raw_ids}) of this tokenizer.")
+            self.eos_id = int(eos_id)
         expected = args.engram_compressed_vocab_size
         if expected is not None and expected != self.compressed_vocab_size:
             raise ConfigError(
@@ -206,6 +213,8 @@ class DeepseekV41NgramHashMapping(NgramHashMapping):
         documents = _companion(sequence_ids, "sequence_ids", ids.shape, squeeze)
         if documents is not None and not np.issubdtype(documents.dtype, np.integer):
             raise InputTypeError(f"sequence_ids must be integer document ids, got {documents.dtype}.")
+        if documents is None and self.eos_id is not None:
+            documents = document_ids(ids, self.eos_id)
         shifts = self.shifted_ids(ids.astype(np.int64, copy=False), mask, documents)
         stacked = self._stack_layers(shifts)
         if squeeze:
@@ -213,8 +222,23 @@ class DeepseekV41NgramHashMapping(NgramHashMapping):
         return stacked if as_numpy else torch.from_numpy(stacked).to(device)
 
     def hash_block(self, input_ids, token_mask=None, sequence_ids=None):
-        """What the model takes for a micro-batch: `hash_stacked` (no conv, no extra slice)."""
-        return self.hash_stacked(input_ids, token_mask, sequence_ids)
+        """What the model takes for a micro-batch [B, T]: `hash_stacked`'s [L, B, T, K] block
+        (no conv: no document-distance slice), and with a ``token_mask`` one more slice (index
+        L) holding it as 0/1 in each of its K columns: the Engram layers read it to add nothing
+        at dead positions (`with_token_mask`)."""
+        block = self.hash_stacked(input_ids, token_mask, sequence_ids)
+        return block if token_mask is None else with_token_mask(block, token_mask)
+
+
+def with_token_mask(block, token_mask):
+    """``block`` [L, B, T, K] (numpy or torch) plus the mask slice: ``token_mask`` [B, T] (or
+    [T]), True where a token is live, as int64 in each of the K columns of slice L."""
+    if isinstance(block, torch.Tensor):
+        mask = torch.as_tensor(token_mask).to(device=block.device, dtype=torch.int64)
+        extra = mask.reshape(1, *block.shape[1:-1], 1).expand(1, *block.shape[1:])
+        return torch.cat([block, extra])
+    mask = _numpy(token_mask).astype(np.int64).reshape(1, *block.shape[1:-1], 1)
+    return np.concatenate([block, np.broadcast_to(mask, (1, *block.shape[1:]))])
 
 
 def _numpy(x) -> np.ndarray:

@@ -21,7 +21,12 @@ from omegaconf.errors import OmegaConfBaseException
 from engram_train.config import EngramConfig, resolve
 from engram_train.errors import ConfigError
 from engram_train.export.errors import ExportError
-from engram_train.training.run_identity import ENGRAM_DERIVED, ENGRAM_FIELDS, engram_identity
+from engram_train.training.run_identity import (
+    ENGRAM_DERIVED,
+    engram_identity,
+    engram_identity_changes,
+    saved_engram_identity,
+)
 
 
 def _changed(old: Any, new: Any) -> str:
@@ -56,12 +61,7 @@ def check_run_identity(manifest: dict | None, engram, mapping, where: str, direc
         raise ExportError(f"{directory} was trained without Engram (its manifest says "
                           f"use_engram=false), but {where} has use_engram=true: there is no "
                           "Engram memory to export")  # fmt: skip
-    saved, current = run.get("engram") or {}, engram_identity(engram, mapping)
-    changes = [(k, saved.get(k), current.get(k)) for k in sorted(set(saved) | set(current))
-               if saved.get(k) != current.get(k)]
-    if any(k in ENGRAM_FIELDS or k == "tokenizer" for k, _, _ in changes):
-        # what is derived from a changed setting says nothing new
-        changes = [c for c in changes if c[0] in ENGRAM_FIELDS or c[0] == "tokenizer"]
+    changes = engram_identity_changes(saved_engram_identity(run), engram_identity(engram, mapping))
     if not changes:
         return
     lines = []

@@ -3,7 +3,7 @@ present, every tensor of the right shape, the stored head offsets equal to the c
 
 from __future__ import annotations
 
-from engram_train.engram.engram_module import Engram
+from engram_train.engram.variant import engram_branch_class
 from engram_train.engram.reference_io import reference_name
 from engram_train.export.checkpoint_reader import DistCheckpointReader
 from engram_train.export.errors import ExportError
@@ -36,7 +36,7 @@ def check_engram_tensors(reader: DistCheckpointReader, engram, hidden_size: int,
            "engram_layer_ids, engram_hc_mult, engram_kernel_size or hidden_size in "
            f"{where} differ from training: pass the run config this checkpoint was trained with")
     for layer_id, keys in stored.items():
-        module = Engram(engram, hidden_size, layer_id, device="meta")
+        module = engram_branch_class(engram)(engram, hidden_size, layer_id, device="meta")
         want = {name: tuple(t.shape) for name, t in module.state_dict().items()}
         missing, extra = sorted(set(want) - set(keys)), sorted(set(keys) - set(want))
         if missing or extra:

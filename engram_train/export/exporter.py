@@ -48,7 +48,7 @@ from engram_train.engram.compressed_tokenizer import (
     TokenizerNotFoundError,
     resolve_tokenizer_file,
 )
-from engram_train.engram.ngram_hash import NgramHashMapping
+from engram_train.engram.variant import build_hash_mapping
 from engram_train.engram.reference_io import PROJECT_TABLE, reference_name
 from engram_train.export.config_source import (  # noqa: F401  (part of this module's API)
     check_run_identity,
@@ -114,6 +114,11 @@ def plan_export(load, *, iteration=None, config=None, tokenizer=None, verify=Tru
         iteration = int(common["iteration"])
     run_config, where = find_run_config(config, root, common)
     engram, hidden_size, model = engram_from_run_config(run_config, where)
+    if engram.engram_variant != "paper":
+        raise ExportError(
+            f"{where}: model.engram_variant={engram.engram_variant!r}: the export formats and "
+            "their loaders (EngramMemory, --format hf) hold the paper variant's branch; the "
+            "deepseek_v41 variant does not export yet (docs/deepseek-v41.md)")
     log(f"checkpoint {directory} (iteration {iteration}); run config: {where}")
 
     try:
@@ -125,7 +130,7 @@ def plan_export(load, *, iteration=None, config=None, tokenizer=None, verify=Tru
         raise ExportError(str(err)) from None
     compressed = CompressedTokenizer(tokenizer_file)
     try:
-        mapping = NgramHashMapping(engram, compressed)
+        mapping = build_hash_mapping(engram, compressed)
     except ValueError as err:
         raise ExportError(f"{where}: {err}") from None
 

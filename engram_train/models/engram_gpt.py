@@ -31,8 +31,8 @@ from engram_train.errors import ConfigError, InputError
 def check_hash_ids(hash_ids: torch.Tensor, layer_ids: list[int], documents: bool = False
                    ) -> torch.Tensor:
     """The ``[L, B, S, K]`` int64 block, checked (one slice per Engram layer; with
-    ``documents`` (``engram_reset_at_eos``) it may carry the document slice as slice L,
-    ``NgramHashMapping.hash_block``)."""
+    ``documents`` it may carry one more slice L: the paper variant's document distances
+    (``engram_reset_at_eos``) or the V4.1 variant's token mask, ``hash_block``)."""
     slices = (len(layer_ids), len(layer_ids) + 1) if documents else (len(layer_ids),)
     if hash_ids.ndim != 4 or hash_ids.shape[0] not in slices:
         raise InputError(
@@ -60,14 +60,14 @@ class EngramGPTModel(GPTModel):
     def hash_mapping(self):
         """Built on first use: only needed when the batch carries no precomputed hash ids."""
         if self._hash_mapping is None:
-            from engram_train.engram.ngram_hash import NgramHashMapping
+            from engram_train.engram.variant import build_hash_mapping
 
             if not self.config.engram_tokenizer_name_or_path:
                 raise ConfigError(
                     "the batch has no engram_hash_ids and engram_tokenizer_name_or_path is unset: "
                     "set it (model.engram_tokenizer_name_or_path) or hash in the data path"
                 )
-            self._hash_mapping = NgramHashMapping(self.config)
+            self._hash_mapping = build_hash_mapping(self.config)
         return self._hash_mapping
 
     def forward(
@@ -77,10 +77,18 @@ class EngramGPTModel(GPTModel):
         attention_mask: torch.Tensor,
         *args,
         engram_hash_ids: torch.Tensor | None = None,
+        engram_token_mask: torch.Tensor | None = None,
         extra_block_kwargs: dict | None = None,
         **kwargs,
     ):
+        """``engram_token_mask`` [B, S] bool (``engram_variant=deepseek_v41``): False marks a
+        dead token (padding): its n-grams stop there and its Engram branches add nothing; the
+        block then carries it as slice L (``hash_block(ids, token_mask)`` gives the same)."""
         layer_ids = list(self.config.engram_layer_ids)
+        v41 = self.config.engram_variant == "deepseek_v41"
+        if engram_token_mask is not None and not v41:
+            raise InputError("engram_token_mask applies to engram_variant=deepseek_v41; the "
+                             "paper variant has no dead tokens")
         if engram_hash_ids is None:
             if input_ids is None:
                 raise InputError(
@@ -93,10 +101,16 @@ class EngramGPTModel(GPTModel):
                     "ids are hashed on the whole sequence and split with the tokens "
                     "(engram_train.parallel.context.context_parallel_batch)"
                 )
-            engram_hash_ids = self.hash_mapping.hash_block(input_ids)  # one copy back
-        documents = bool(self.config.engram_reset_at_eos)
+            engram_hash_ids = (self.hash_mapping.hash_block(input_ids, engram_token_mask) if v41
+                               else self.hash_mapping.hash_block(input_ids))  # one copy back
+        # slice L: the paper's document distances (engram_reset_at_eos), V4.1's token mask
+        documents = v41 or bool(self.config.engram_reset_at_eos)
         block = check_hash_ids(engram_hash_ids, layer_ids, documents)
-        if documents and block.shape[0] == len(layer_ids):
+        if v41 and engram_token_mask is not None and block.shape[0] == len(layer_ids):
+            from engram_train.engram.v41_ngram_hash import with_token_mask
+
+            block = with_token_mask(block, engram_token_mask)  # ids hashed with it (docstring)
+        elif not v41 and documents and block.shape[0] == len(layer_ids):
             block = self._with_documents(block, input_ids)
         if input_ids is not None and tuple(block.shape[1:3]) != tuple(input_ids.shape):
             raise InputError(

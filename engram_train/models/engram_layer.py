@@ -29,7 +29,6 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 from engram_train.config import engram_table_dtype
 from engram_train.models.hyper_connection_layer import (
     HyperConnectionTransformerLayer,
-    mark_sequence_parallel,
     split_streams,
 )
 from engram_train.parallel.context import sequence_halo
@@ -70,21 +69,25 @@ class EngramTransformerLayer(TransformerLayer):
             table_dtype=engram_table_dtype(config),
         )
         # A split sequence (context parallel, or sequence parallel over TP): each rank runs the
-        # branch on its own positions, the conv's left context comes from the halo.
-        self.engram_halo = sequence_halo(
+        # branch on its own positions, the conv's left context comes from the halo. The V4.1
+        # branch looks back nowhere (no conv): no halo; slice L of the block is its token mask.
+        self.v41 = config.engram_variant == "deepseek_v41"
+        self.engram_halo = None if self.v41 else sequence_halo(
             config, (config.engram_kernel_size - 1) * config.max_ngram_size,
             tp_group=self.pg_collection.tp, cp_group=getattr(self.pg_collection, "cp", None))
         self.sequence_split = bool(config.sequence_parallel) and self.pg_collection.tp.size() > 1
         if self.sequence_split:  # partial gradients per TP slice: megatron sums them over TP
-            for name, module in self.engram.named_children():
-                if name != "multi_head_embedding":
-                    mark_sequence_parallel(module, True)
+            for name, param in self.engram.named_parameters():
+                if not name.startswith("multi_head_embedding."):
+                    param.sequence_parallel = True
 
     def engram_branch(self, hidden_states: torch.Tensor, hash_ids: torch.Tensor,
                       memory: torch.Tensor | None = None,
-                      document_distance: torch.Tensor | None = None) -> torch.Tensor:
+                      document_distance: torch.Tensor | None = None,
+                      token_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Engram output for this rank's hidden slice (``memory``: rows already fetched;
-        ``document_distance`` [S, B]: the conv stops at document starts).
+        ``document_distance`` [S, B]: the conv stops at document starts; ``token_mask`` [S, B]
+        bool, V4.1: the branch adds nothing where False).
 
         Under context parallelism the rank holds its zigzag chunks, with sequence parallelism
         also only its TP slice of them: the branch runs on exactly these positions (their own
@@ -94,6 +97,8 @@ class EngramTransformerLayer(TransformerLayer):
         ids = dict(hash_ids=hash_ids) if memory is None else dict(memory=memory)
         if document_distance is not None:
             ids["document_distance"] = document_distance
+        if token_mask is not None:
+            ids["token_mask"] = token_mask
         return self._engram(hidden_states, ids)
 
     def _engram(self, hidden_states: torch.Tensor, ids: dict) -> torch.Tensor:
@@ -116,10 +121,17 @@ class EngramTransformerLayer(TransformerLayer):
 
     def _document_distance(self, context: torch.Tensor) -> torch.Tensor | None:
         """[S, B] document distances of the positions this rank holds, when the block carries
-        them (slice L, ``engram_reset_at_eos``), else None."""
-        if context.shape[0] <= len(self.config.engram_layer_ids):
+        them (slice L, ``engram_reset_at_eos``; the V4.1 variant: never), else None."""
+        if self.v41 or context.shape[0] <= len(self.config.engram_layer_ids):
             return None
         return self._held(context[-1, :, :, 0].transpose(0, 1))
+
+    def _token_mask(self, context: torch.Tensor) -> torch.Tensor | None:
+        """[S, B] bool, False at dead tokens, of the positions this rank holds, when the block
+        carries a token mask (slice L, the V4.1 variant with padding), else None."""
+        if not self.v41 or context.shape[0] <= len(self.config.engram_layer_ids):
+            return None
+        return self._held(context[-1, :, :, 0].transpose(0, 1)) != 0
 
     def _held(self, ids: torch.Tensor) -> torch.Tensor:
         """The rows of a sequence-first tensor this rank holds (its TP slice under SP)."""
@@ -142,7 +154,8 @@ class EngramTransformerLayer(TransformerLayer):
             self.prefetched_lookup = None
         hash_ids = self._hash_ids(context)  # [S, B, K], sequence first
         hidden_states = hidden_states + self.engram_branch(
-            hidden_states, hash_ids, memory, self._document_distance(context))
+            hidden_states, hash_ids, memory, self._document_distance(context),
+            self._token_mask(context))
         output, _ = super().forward(hidden_states, *args, context=None, **kwargs)
         return output, context
 

@@ -16,6 +16,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_layer import TransformerLayer, get_transformer_layer_offset
 
 from engram_train.engram.engram_module import Engram
+from engram_train.engram.variant import engram_branch_class
 from engram_train.models.engram_layer import (
     EngramHyperConnectionLayer,
     EngramTransformerLayer,
@@ -54,13 +55,14 @@ def engram_block_spec(
     pp_rank: int | None = None,
 ) -> TransformerBlockSubmodules:
     """``block`` (a family's block spec for this stage) with Engram layers at
-    ``engram_layer_ids``."""
+    ``engram_layer_ids``, each with the branch of ``engram_variant`` (`engram_branch_class`)."""
     ids = stage_layer_ids(config, vp_stage=vp_stage, pp_rank=pp_rank)
     if len(ids) != len(block.layer_specs):
         raise RuntimeError(f"stage layer ids {ids} do not match {len(block.layer_specs)} layer specs")
     engram_ids = set(config.engram_layer_ids)
+    branch = engram_branch_class(config)
     layer_specs = [
-        engram_layer_spec(spec) if layer_id in engram_ids else spec
+        engram_layer_spec(spec, branch) if layer_id in engram_ids else spec
         for layer_id, spec in zip(ids, block.layer_specs)
     ]
     return dataclasses.replace(block, layer_specs=layer_specs)

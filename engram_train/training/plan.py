@@ -22,7 +22,7 @@ from engram_train.checkpoint.errors import DamagedCheckpointError
 from engram_train.checkpoint.layout import TRACKER, has_checkpoints, iteration_dir, list_checkpoints, read_tracker
 from engram_train.checkpoint.selection import select_checkpoint
 from engram_train.engram.compressed_tokenizer import TokenizerNotFoundError
-from engram_train.engram.ngram_hash import NgramHashMapping
+from engram_train.engram.variant import build_hash_mapping
 from engram_train.training.faults import check_writable
 from engram_train.training.run_config import ConfigError, padded_vocab_size, validate_run_config
 from engram_train.training.run_identity import (
@@ -46,7 +46,7 @@ class Plan:
     model_config: ModelConfig
     tokenizer: Any
     vocab_size: int
-    hash_mapping: Any  # NgramHashMapping, or None without Engram
+    hash_mapping: Any  # the variant's NgramHashMapping (build_hash_mapping), or None
     identity: dict  # this run's identity (training/run_identity.py)
     resume_from: str | None  # checkpoint.load when it holds a checkpoint, else None
 
@@ -144,7 +144,7 @@ def check(cfg: DictConfig) -> Plan:
     mapping = None
     if model_config.use_engram:
         try:
-            mapping = NgramHashMapping(model_config, num_threads=cfg.data.hash_threads)
+            mapping = build_hash_mapping(model_config, num_threads=cfg.data.hash_threads)
         except (ValueError, TokenizerNotFoundError) as e:  # pad id, tokenizer path: the config's
             raise ConfigError(f"model: {e}") from None
     plan = Plan(model_config, tokenizer, vocab_size, mapping,

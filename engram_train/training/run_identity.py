@@ -64,6 +64,7 @@ SHAPE_FIELDS = (
 # Shape fields recorded after checkpoints already existed: their value in an older checkpoint.
 SHAPE_FIELD_DEFAULTS = {"enable_hyper_connections": False, "num_residual_streams": None}
 ENGRAM_FIELDS = (
+    "engram_variant",
     "engram_seed",
     "engram_layer_ids",
     "max_ngram_size",
@@ -76,6 +77,8 @@ ENGRAM_FIELDS = (
     "engram_reset_at_eos",
     "engram_eos_id",
 )
+# Engram fields recorded after checkpoints already existed: their value in an older checkpoint.
+ENGRAM_FIELD_DEFAULTS = {"engram_variant": "paper"}
 # What each derived Engram entry depends on, for the error message.
 ENGRAM_DERIVED = {
     "tokenizer": "model.engram_tokenizer_name_or_path (the compressed vocabulary)",
@@ -147,6 +150,26 @@ def engram_identity(config, mapping) -> dict:
             ).hexdigest(),
         }
     )
+
+
+def saved_engram_identity(run: Mapping) -> dict:
+    """The Engram identity a manifest's ``run`` records, with the fields an older checkpoint
+    lacks at the value it was saved with (`ENGRAM_FIELD_DEFAULTS`)."""
+    saved = run.get("engram") or {}
+    return {**ENGRAM_FIELD_DEFAULTS, **saved} if saved else {}
+
+
+def engram_identity_changes(saved: Mapping, current: Mapping) -> list[tuple[str, Any, Any]]:
+    """(key, saved, current) for every Engram identity entry that differs, reduced to what a
+    user changed: a changed ``engram_variant`` alone (every other difference follows from it),
+    else the changed settings and tokenizer without what they derive."""
+    changes = _diff(saved, current)
+    variant = [c for c in changes if c[0] == "engram_variant"]
+    if variant:
+        return variant
+    if any(key in ENGRAM_FIELDS or key == "tokenizer" for key, _, _ in changes):
+        changes = [c for c in changes if c[0] in ENGRAM_FIELDS or c[0] == "tokenizer"]
+    return changes
 
 
 def model_identity(config, padded_vocab_size: int) -> dict:
@@ -237,14 +260,18 @@ def check_run_identity(saved: Mapping | None, current: Mapping, *, load_engram: 
                 "drop Engram and keep the backbone set checkpoint.load_engram=false"
             )
     elif now:
-        changes = _diff(saved.get("engram") or {}, current["engram"])
-        if any(key in ENGRAM_FIELDS or key == "tokenizer" for key, _, _ in changes):
-            # what is derived from a changed setting says nothing new
-            changes = [c for c in changes if c[0] in ENGRAM_FIELDS or c[0] == "tokenizer"]
+        changes = engram_identity_changes(saved_engram_identity(saved), current["engram"])
         if changes:
             overrides.append("checkpoint.load_engram=false")
         for key, old, new in changes:
             what = ENGRAM_DERIVED.get(key, f"model.{key}")
+            if key == "engram_variant":
+                lines.append(
+                    f"model.engram_variant: {_show(old)} in the checkpoint, {_show(new)} here. The "
+                    "variants' Engram branches have other parameters and hash differently: resume "
+                    f"with model.engram_variant={_show(old)}, or set checkpoint.load_engram=false "
+                    "to keep the backbone and start Engram afresh")
+                continue
             if key == "engram_hc_mult":  # follows the backbone's residual streams (config/mhc.py)
                 fix = (f"it follows the backbone's residual streams: resume with the checkpoint's "
                        f"model.enable_hyper_connections and model.num_residual_streams={_show(old)}"
