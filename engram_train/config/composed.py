@@ -1,5 +1,5 @@
 """`EngramTransformerConfig` and `EngramMLATransformerConfig`: megatron's configs composed
-with `EngramConfig` and `HyperConnectionConfig`, so that one object carries every field and one
+with `EngramConfig`, `HyperConnectionConfig` and ``model_family``, so that one object carries every field and one
 ``__post_init__`` validates them (megatron's fields, then mHC's, then Engram's). Built on first
 access: importing megatron-core takes seconds, and ``import engram_train`` does not pay it.
 """
@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from engram_train.config.choices import ENGRAM_TABLE_DTYPES
+from engram_train.config.family import ModelFamilyConfig, check_model_family
 from engram_train.config.mhc import (
     HyperConnectionConfig,
     check_hyper_connections,
@@ -54,6 +55,7 @@ def _compose(name: str, megatron_cls: type) -> type:
         megatron_cls.__post_init__(self)
         check_hyper_connections(self, mhc_recompute)
         EngramConfig.__post_init__(self)
+        check_model_family(self.model_family)
         self.validate_num_layers(self.num_layers)
         self.validate_hidden_size(self.hidden_size)
         _check_megatron_backbone(self)
@@ -64,7 +66,8 @@ def _compose(name: str, megatron_cls: type) -> type:
         "__qualname__": name,
         "__doc__": f"megatron {megatron_cls.__name__} plus every EngramConfig field.",
     }
-    return dataclass(type(name, (megatron_cls, EngramConfig, HyperConnectionConfig), namespace))
+    bases = (megatron_cls, EngramConfig, HyperConnectionConfig, ModelFamilyConfig)
+    return dataclass(type(name, bases, namespace))
 
 
 def __getattr__(name: str) -> type:
@@ -86,10 +89,12 @@ if TYPE_CHECKING:  # pragma: no cover - static view of the lazily built classes
     )
 
     @dataclass
-    class EngramTransformerConfig(TransformerConfig, EngramConfig, HyperConnectionConfig): ...
+    class EngramTransformerConfig(TransformerConfig, EngramConfig, HyperConnectionConfig,
+                                  ModelFamilyConfig): ...
 
     @dataclass
-    class EngramMLATransformerConfig(MLATransformerConfig, EngramConfig, HyperConnectionConfig): ...
+    class EngramMLATransformerConfig(MLATransformerConfig, EngramConfig, HyperConnectionConfig,
+                                     ModelFamilyConfig): ...
 
     ModelConfig = EngramTransformerConfig | EngramMLATransformerConfig
     """A model config the project builds: megatron's fields with every Engram and mHC field."""

@@ -1,8 +1,10 @@
 """Build the model chunks of this rank: one per virtual pipeline stage, wrapped as Megatron-LM's
 ``get_model`` wraps them (``Float16Module`` under bf16, then megatron DDP).
 
-``build_gpt_model`` picks the Engram model when ``config.use_engram`` is set and megatron's
-own ``GPTModel`` otherwise, so ``use_engram: false`` is exactly the plain backbone.
+``build_gpt_model`` picks the model of the config's family (``model_family``): DeepSeek-V4.1's
+``models/deepseek_v41/v41_model.DeepseekV41GPTModel``, or for DeepSeek-V3 the Engram model when
+``config.use_engram`` is set and megatron's own ``GPTModel`` otherwise, so ``use_engram: false``
+is exactly the plain backbone.
 Engram tables are left out of megatron DDP (its data-parallel averaging is the wrong reduction
 for a row shard): ``EngramTableOptimizer`` reduces them (``training/engram_optimizer.py``).
 
@@ -30,6 +32,7 @@ from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from engram_train.config import uses_engram, uses_hyper_connections
+from engram_train.config.family import DEEPSEEK_V41, model_family
 from engram_train.models.deepseek_v3.v3_specs import deepseek_v3_block_spec
 
 
@@ -53,6 +56,10 @@ def build_gpt_model(
         position_embedding_type="rope",
         vp_stage=vp_stage,
     )
+    if model_family(config) == DEEPSEEK_V41:  # its own model: layers carry mHC and CSA2 state
+        from engram_train.models.deepseek_v41.v41_model import DeepseekV41GPTModel
+
+        return DeepseekV41GPTModel(config, **kwargs)
     return gpt_model_class(config)(config, gpt_block_spec(config, use_te, vp_stage), **kwargs)
 
 

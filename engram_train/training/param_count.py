@@ -74,8 +74,8 @@ def count_parameters(model: torch.nn.Module, config) -> ParamCounts:
             totals["embedding"] += n
         elif name.startswith("output_layer."):
             totals["output_layer"] += n
-        elif ".mlp.experts." in name:
-            routed_per_layer[name.split(".mlp.experts.")[0]] += n
+        elif ".mlp.experts." in name or ".ffn.experts." in name:  # DeepSeek-V3's, V4.1's
+            routed_per_layer[name.split(".experts.")[0]] += n
     routed = sum(routed_per_layer.values())
     activated = totals["total"] - totals["embedding"] - totals["engram_tables"] - routed
     if routed:

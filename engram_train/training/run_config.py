@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from engram_train.config import check_known_keys, resolve
+from engram_train.config.family import DEEPSEEK_V41, preset_family
 from engram_train.errors import ConfigError, EngramError  # noqa: F401  (ConfigError: re-exported)
 from engram_train.runtime.distributed import ParallelSizes
 
@@ -34,14 +35,20 @@ def backbone_model(cfg) -> dict[str, Any]:
     """The model section as its megatron config will see it: megatron's field defaults, the
     DeepSeek-V3 backbone's, the preset's values, the Engram and mHC fields resolved
     (`engram_train.config.resolve`). For the checks that run before the config is built."""
-    from megatron.core.transformer import MLATransformerConfig
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
     from omegaconf import OmegaConf
 
     from engram_train.models.deepseek_v3.v3_config import DEEPSEEK_V3_COMMON
 
-    defaults = {f.name: f.default for f in dataclasses.fields(MLATransformerConfig)
+    model = OmegaConf.to_container(cfg.model, resolve=True)
+    base, common = MLATransformerConfig, DEEPSEEK_V3_COMMON
+    if preset_family(model) == DEEPSEEK_V41:  # V4.1's names, megatron's added
+        from engram_train.models.deepseek_v41.v41_config import megatron_view
+
+        base, common, model = TransformerConfig, {}, megatron_view(model)
+    defaults = {f.name: f.default for f in dataclasses.fields(base)
                 if f.default is not dataclasses.MISSING}
-    return resolve({**defaults, **DEEPSEEK_V3_COMMON, **OmegaConf.to_container(cfg.model, resolve=True)})
+    return resolve({**defaults, **common, **model})
 
 
 def parallel_sizes(cfg) -> ParallelSizes:
@@ -84,6 +91,7 @@ def validate_run_config(cfg, world_size: int, check_data: bool = True):
     dp = data_parallel_size(cfg, world_size)
     _check_batch(cfg, dp, world_size)
     _check_data_keys(cfg.data)
+    _check_model_family_layout(cfg, p)
     _check_pipeline(cfg, p, dp)
     _check_precision(cfg)
     if cfg.system.recompute_granularity not in RECOMPUTE:
@@ -143,19 +151,19 @@ def _check_data_keys(d) -> None:
 
 def _check_pipeline(cfg, p: ParallelSizes, dp: int) -> None:
     """Layers over pipeline (and virtual pipeline) stages, micro-batches over the stages."""
-    t, m = cfg.train, cfg.model
-    if m.num_layers % p.pipeline:
+    t, num_layers = cfg.train, backbone_model(cfg)["num_layers"]
+    if num_layers % p.pipeline:
         raise ConfigError(
-            f"model.num_layers={m.num_layers} must be divisible by "
+            f"model.num_layers={num_layers} must be divisible by "
             f"system.pipeline_model_parallel_size={p.pipeline}"
         )
     if p.virtual_pipeline is None:
         return
     if p.pipeline < 2:
         raise ConfigError("system.virtual_pipeline_model_parallel_size needs pipeline_model_parallel_size > 1")
-    if m.num_layers % (p.pipeline * p.virtual_pipeline):
+    if num_layers % (p.pipeline * p.virtual_pipeline):
         raise ConfigError(
-            f"model.num_layers={m.num_layers} must be divisible by pipeline x virtual pipeline "
+            f"model.num_layers={num_layers} must be divisible by pipeline x virtual pipeline "
             f"size = {p.pipeline * p.virtual_pipeline}"
         )
     if (t.global_batch_size // (t.micro_batch_size * dp)) % p.pipeline:
@@ -166,9 +174,30 @@ def _check_pipeline(cfg, p: ParallelSizes, dp: int) -> None:
         )
 
 
+def _check_model_family_layout(cfg, p: ParallelSizes) -> None:
+    """DeepSeek-V4.1 runs data-parallel only for now (docs/deepseek-v41.md 'The model'): its
+    CSA2 state does not cross pipeline stages yet, the shared KV head's gradient is not reduced
+    over tensor-parallel ranks, its routed experts are all local and its compressed runs are
+    not split over context-parallel ranks."""
+    if preset_family(cfg.model) != DEEPSEEK_V41:
+        return
+    sizes = {"pipeline_model_parallel_size": p.pipeline, "tensor_model_parallel_size": p.tensor,
+             "expert_model_parallel_size": p.expert, "context_parallel_size": p.context}
+    wider = [f"system.{k}={v}" for k, v in sizes.items() if v > 1]
+    if p.virtual_pipeline is not None:
+        wider.append(f"system.virtual_pipeline_model_parallel_size={p.virtual_pipeline}")
+    if p.engram_embedding > 1:
+        wider.append(f"model.engram_embedding_parallel_size={p.engram_embedding}")
+    if wider:
+        raise ConfigError(
+            f"{', '.join(wider)} with model_family=deepseek_v41: V4.1 trains data-parallel only "
+            "for now (the CSA2 state between layers is not carried across pipeline stages, the "
+            "shared KV head's gradient is not reduced over tensor-parallel ranks, experts and "
+            "Engram tables are not sharded); set them to 1 (docs/deepseek-v41.md 'The model')")
+
+
 def _check_tensor_and_expert_parallel(cfg, p: ParallelSizes) -> None:
     """Sequence parallelism where TP needs it (MoE, Transformer Engine's MLA); experts over EP."""
-    m = cfg.model
     backbone = backbone_model(cfg)
     if backbone["num_moe_experts"] and p.tensor > 1 and not sequence_parallel(cfg):
         raise ConfigError(
@@ -186,9 +215,9 @@ def _check_tensor_and_expert_parallel(cfg, p: ParallelSizes) -> None:
                 "system.tensor_model_parallel_size > 1 needs system.sequence_parallel: true (or "
                 "auto) with Transformer Engine's MLA: without it megatron-core leaves the RoPE "
                 "key's gradient partial on each tensor-parallel rank")
-    if backbone["num_moe_experts"] and m.num_moe_experts % p.expert:
+    if backbone["num_moe_experts"] and backbone["num_moe_experts"] % p.expert:
         raise ConfigError(
-            f"model.num_moe_experts={m.num_moe_experts} must be divisible by "
+            f"model.num_moe_experts={backbone['num_moe_experts']} must be divisible by "
             f"system.expert_model_parallel_size={p.expert}"
         )
 
@@ -199,7 +228,7 @@ def engram_table_params_per_rank(cfg) -> int:
     prime above it) of ``n_embed_per_ngram / n_head_per_ngram``."""
     m, p = resolve(cfg.model), parallel_sizes(cfg)
     per_layer = sum(int(v) for v in m["engram_vocab_size"]) * int(m["n_embed_per_ngram"])
-    layers_per_stage = m["num_layers"] // p.pipeline
+    layers_per_stage = backbone_model(cfg)["num_layers"] // p.pipeline
     stages = [int(i) // layers_per_stage for i in m["engram_layer_ids"]]
     layers = max(stages.count(s) for s in set(stages))
     if m["engram_embedding_parallel_method"] == "allreduce":
@@ -352,14 +381,15 @@ def build_transformer_config(cfg):
     from engram_train.models.deepseek_v3.v3_config import backbone_config_kwargs
 
     model = OmegaConf.to_container(cfg.model, resolve=True)
+    family = preset_family(model)
     known = {f.name for f in dataclasses.fields(EngramMLATransformerConfig)} | MODEL_ONLY_KEYS
     unknown = sorted(set(model) - known)
-    if unknown:
+    if unknown and family != DEEPSEEK_V41:  # V4.1's own names: its config refuses the others
         raise ConfigError(f"model: unknown keys {unknown}; see README 'Configuration reference'")
     p = parallel_sizes(cfg)
     s = cfg.system
     dtype = PRECISIONS[s.precision]
-    fields = dict(model)
+    fields = {}
     fields.update(p.megatron_kwargs())
     fields.update(
         sequence_parallel=sequence_parallel(cfg),
@@ -375,7 +405,11 @@ def build_transformer_config(cfg):
     if s.recompute_granularity == "full":
         fields.update(recompute_method=s.recompute_method, recompute_num_layers=int(s.recompute_num_layers))
     try:
-        return EngramMLATransformerConfig(**backbone_config_kwargs(fields))
+        if family == DEEPSEEK_V41:
+            from engram_train.models.deepseek_v41.v41_config import deepseek_v41_config
+
+            return deepseek_v41_config(model, fields)
+        return EngramMLATransformerConfig(**backbone_config_kwargs({**model, **fields}))
     except EngramError:
         raise  # the Engram and mHC rules raise ConfigError themselves
     except (ValueError, AssertionError, TypeError) as e:  # megatron's own checks
