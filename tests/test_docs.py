@@ -44,6 +44,8 @@ TOOLS = {
     "engram-sweep": ("engram_train.sweep.cli", "main"),
     "engram-plan": ("engram_train.memory_plan.cli", "main"),
     "engram_train.memory_plan": ("engram_train.memory_plan.cli", "main"),
+    "engram-logits": ("engram_train.inference.logits", "main"),
+    "engram_train.inference.logits": ("engram_train.inference.logits", "main"),
 }
 SHELL_TOOLS = {"ls", "tail", "cat", "tensorboard"}
 # Commands the first-hour run validates instead of running: the environment is already set up
