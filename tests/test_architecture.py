@@ -1,12 +1,14 @@
 """The package order of docs/architecture.md holds: read every import of engram_train (module
 level and function-local, with ast) and refuse an arrow to a package listed later. Also the
-one error root: every exception class the project defines derives from `EngramError`."""
+one error root: every exception class the project defines derives from `EngramError`; and the
+size rules: no module over 450 lines, no function over 80, no file name used twice."""
 
 from __future__ import annotations
 
 import ast
 import builtins
 import re
+from collections import defaultdict
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -230,3 +232,50 @@ def test_importing_the_package_loads_neither_hydra_nor_torch():
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                          check=True).stdout
     assert out.split() == ["False", "False"]
+
+
+MAX_MODULE_LINES = 450
+MAX_FUNCTION_LINES = 80
+# File names a package may repeat: Python's (``__init__``, ``__main__``) and the two role names
+# of a package (its command line ``cli``, its exception classes ``errors``).
+ROLE_FILE_NAMES = {"__init__", "__main__", "cli", "errors"}
+
+
+def size_violations(sources: dict[str, str]) -> list[str]:
+    """Modules over `MAX_MODULE_LINES`, functions over `MAX_FUNCTION_LINES` (``def`` line to
+    last line), and file names (other than `ROLE_FILE_NAMES`) in more than one package."""
+    bad = []
+    by_name = defaultdict(list)
+    for module, text in sources.items():
+        lines = len(text.splitlines())
+        if lines > MAX_MODULE_LINES:
+            bad.append(f"{module}: {lines} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    bad.append(f"{module}:{node.lineno} {node.name}: {length} lines")
+        name = module.rsplit(".", 1)[-1]
+        if name not in ROLE_FILE_NAMES:
+            by_name[name].append(module)
+    bad += [f"{name}.py in {', '.join(modules)}" for name, modules in sorted(by_name.items())
+            if len(modules) > 1]
+    return bad
+
+
+def test_size_rules_hold():
+    """docs/architecture.md's size rules: split a module before it passes 450 lines, a function
+    before 80; a family's or a tool's modules carry its name (``v3_specs.py``, ``plan_report.py``)."""
+    sources = project_sources()
+    assert size_violations(sources) == []
+    body = "".join(f"    x{i} = {i}\n" for i in range(80))
+    sources["engram_train.sweep.synthetic_long"] = "def long():\n" + body
+    sources["engram_train.data.synthetic_big"] = "X = 1\n" * (MAX_MODULE_LINES + 1)
+    sources["engram_train.sweep.plan_layout"] = "X = 1\n"
+    sources["engram_train.sweep.cli_synthetic"] = "X = 1\n"
+    sources["engram_train.inference.errors"] = "X = 1\n"
+    assert size_violations(sources) == [
+        "engram_train.sweep.synthetic_long:1 long: 81 lines",
+        f"engram_train.data.synthetic_big: {MAX_MODULE_LINES + 1} lines",
+        "plan_layout.py in engram_train.memory_plan.plan_layout, engram_train.sweep.plan_layout",
+    ]

@@ -42,7 +42,7 @@ def item(rank, name):
 
 def test_stage_params_add_up_to_the_model(one_rank):
     """Every parameter lands on exactly one stage; TP/EP/table shards divide what they split."""
-    from engram_train.memory_plan.layout import layout_of
+    from engram_train.memory_plan.plan_layout import layout_of
     from engram_train.memory_plan.model_bytes import stage_params
     from engram_train.training.param_count import build_on_meta, compose_config, run_config_counts
     from engram_train.training.run_config import build_transformer_config
@@ -130,7 +130,7 @@ def test_recompute_and_pipeline_in_flight(one_rank):
 
 def test_fits_keeps_the_measured_margin(one_rank):
     """yes only with the margin; tight between the prediction and the prediction plus margin."""
-    from engram_train.memory_plan.report import FIT_MARGIN
+    from engram_train.memory_plan.plan_report import FIT_MARGIN
 
     plan = plan_of([])
     need = plan.host_bytes_per_node

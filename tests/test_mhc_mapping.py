@@ -18,7 +18,7 @@ import re
 import pytest
 import torch
 
-from engram_train.models import hyper_connection
+from engram_train.models import hyper_connection_ops
 from engram_train.models.hyper_connection import HyperConnection, HyperHead, mixing_weights
 
 S, B, H = 3, 2, 16  # sequence, micro-batch and hidden sizes: small, the math is per token
@@ -301,13 +301,13 @@ def test_normalized_projection_matches_oracle(dtype, chunk, monkeypatch):
     chunk by chunk with a hand-written backward: value and gradients (X in its dtype, fn) vs
     autograd through the oracle's ``ref_rmsnorm``, whole and in chunks of one token."""
     if chunk is not None:
-        monkeypatch.setitem(hyper_connection.TOKEN_CHUNK_ELEMENTS, "cpu", chunk)
+        monkeypatch.setitem(hyper_connection_ops.TOKEN_CHUNK_ELEMENTS, "cpu", chunk)
     n = 4
     g = torch.Generator().manual_seed(11)
     x = (3 * torch.randn(S, B, n * H, generator=g)).to(dtype).requires_grad_()
     fn = (0.1 * torch.randn(24, n * H, generator=g)).requires_grad_()
     w = torch.randn(S, B, 24, generator=g, dtype=torch.float64)
-    got = hyper_connection.normalized_projection(x, fn, 1e-3)
+    got = hyper_connection_ops.normalized_projection(x, fn, 1e-3)
     assert got.dtype == torch.float32
     got_grads = torch.autograd.grad((got * w).sum(), [x, fn])
     x64, fn64 = (t.detach().double().requires_grad_() for t in (x, fn))
@@ -473,8 +473,6 @@ def test_wrong_shape_raises(cls, shape):
 def test_both_write_back_paths_agree(n, monkeypatch):
     """The write-back runs as n broadcast multiply-adds (small h on CPU) or as one batched GEMM
     per token (large h, CUDA): both equal the float64 sum, forward and backward."""
-    from engram_train.models import hyper_connection
-
     g = torch.Generator().manual_seed(77 + n)
     x = torch.randn(S, B, n, H, generator=g)
     y = torch.randn(S, B, H, generator=g)
@@ -485,7 +483,7 @@ def test_both_write_back_paths_agree(n, monkeypatch):
         "sbjk,sbjh->sbkh", c.double(), x.double())
     grads = []
     for threshold in (1, 10**9):  # batched GEMM, then the multiply-adds
-        monkeypatch.setattr(hyper_connection, "BATCHED_MIX_MIN_HIDDEN", threshold)
+        monkeypatch.setattr(hyper_connection_ops, "BATCHED_MIX_MIN_HIDDEN", threshold)
         leaves = [t.clone().requires_grad_() for t in (x, y, h_post, c)]
         out = HyperConnection.mix(*leaves)
         torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-6)
@@ -514,8 +512,8 @@ def test_recompute_gives_the_same_numbers(h, chunk, monkeypatch):
     the stored mapping (float32: to rounding); both write-back paths (broadcast, batched), and
     the projection in chunks of one position."""
     if chunk is not None:
-        monkeypatch.setitem(hyper_connection.TOKEN_CHUNK_ELEMENTS, "cpu", chunk)
-        assert len(hyper_connection._token_chunks(torch.empty(S, B, 4 * h))) == S > 1
+        monkeypatch.setitem(hyper_connection_ops.TOKEN_CHUNK_ELEMENTS, "cpu", chunk)
+        assert len(hyper_connection_ops._token_chunks(torch.empty(S, B, 4 * h))) == S > 1
     torch.manual_seed(3)
     hc = HyperConnection(h, 4)
     with torch.no_grad():  # away from the init so every gradient is large

@@ -28,7 +28,7 @@ from engram_train.checkpoint.state import (
     model_sharded_state_dict,
     saved_metadata,
 )
-from engram_train.runtime.megatron_fixes import CHAIN_BY_ROLE, ENGRAM_CHAIN_ROLE
+from engram_train.runtime.optimizer_chain import CHAIN_BY_ROLE, ENGRAM_CHAIN_ROLE
 
 
 def _is_table_optimizer(optimizer) -> bool:

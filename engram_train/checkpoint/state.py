@@ -15,7 +15,7 @@ from megatron.core.utils import unwrap_model
 from engram_train.checkpoint.errors import CheckpointError, DamagedCheckpointError
 from engram_train.config import uses_engram
 from engram_train.checkpoint.manifest import rank_world
-from engram_train.runtime.megatron_fixes import CHAIN_BY_ROLE
+from engram_train.runtime.optimizer_chain import CHAIN_BY_ROLE
 
 # "fully_reshardable": the distributed optimizer's state is saved per model parameter, so a
 # checkpoint loads under another (TP, PP, EP, DP) layout.

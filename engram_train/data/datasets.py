@@ -342,10 +342,7 @@ def build_gpt_datasets(
     cannot be trained on as given.
     """
     import torch
-    from megatron.core.datasets.blended_megatron_dataset_builder import (
-        BlendedMegatronDatasetBuilder,
-    )
-    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
 
     if seq_length <= 0:
         raise DatasetError(f"seq_length must be positive, got {seq_length}.")
@@ -374,13 +371,21 @@ def build_gpt_datasets(
         eod_mask_loss=eod_mask_loss,
         create_attention_mask=create_attention_mask,
     )
-    builder = BlendedMegatronDatasetBuilder(GPTDataset, num_samples, lambda: True, config)
+    first = not distributed or torch.distributed.get_rank() == 0
+    return _build_splits(config, num_samples, cache, first)
 
-    lock = (
-        file_lock(cache / ".lock")
-        if not distributed or torch.distributed.get_rank() == 0
-        else contextlib.nullcontext()
+
+def _build_splits(config, num_samples: list, cache: Path, first: bool):
+    """megatron's blended builder over ``config``; the ``first`` rank (or a lone process) holds
+    the cache's lock while it writes the index files, the others read them."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
     )
+    from megatron.core.datasets.gpt_dataset import GPTDataset
+
+    builder = BlendedMegatronDatasetBuilder(GPTDataset, num_samples, lambda: True, config)
+    lock = file_lock(cache / ".lock") if first else contextlib.nullcontext()
+    tokenizer = config.tokenizer
     with lock, warnings.catch_warnings():
         if getattr(tokenizer, "pad", None) == getattr(tokenizer, "eod", None):
             # Intended: with pad == eod megatron pads partial samples with a sentinel id (and

@@ -25,6 +25,7 @@ MODULES = {
     "engram_train.hf.modeling": "modeling_engram_deepseek_v3.py",
     "engram_train.engram.engram_module": "engram_module.py",
     "engram_train.models.hyper_connection": "hyper_connection.py",
+    "engram_train.models.hyper_connection_ops": "hyper_connection_ops.py",
     "engram_train.engram.incremental_hash": "incremental_hash.py",
     "engram_train.errors": "engram_errors.py",
 }

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engram_train.memory_plan.layout import Layout
+from engram_train.memory_plan.plan_layout import Layout
 
 
 @dataclass(frozen=True)

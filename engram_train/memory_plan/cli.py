@@ -44,9 +44,9 @@ def make_plan(cfg, world: int, nproc_per_node: int, vocab_size: int | None = Non
     """The plan of ``cfg`` on ``world`` ranks. torch.distributed must be set up for one process
     (the model is built on the meta device as one rank). ``model``: a meta model of the same
     model config built before (it does not depend on the layout: layout searches reuse it)."""
-    from engram_train.memory_plan.layout import layout_of
+    from engram_train.memory_plan.plan_layout import layout_of
     from engram_train.memory_plan.model_bytes import stage_of_layer, stage_params
-    from engram_train.memory_plan.report import Plan, plan_stage
+    from engram_train.memory_plan.plan_report import Plan, plan_stage
     from engram_train.training.run_config import padded_vocab_size, validate_run_config
 
     config = validate_run_config(cfg, world, check_data=False)

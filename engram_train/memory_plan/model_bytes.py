@@ -14,7 +14,7 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from engram_train.memory_plan.layout import Layout
+from engram_train.memory_plan.plan_layout import Layout
 
 # Parameter categories, by how a rank holds them: "dense" parameters are in megatron's DDP and
 # optimizer (sharded over DP), "expert" ones over the expert data-parallel group, "table" ones

@@ -10,7 +10,7 @@ allocates about one parameter shard's worth of temporaries.
 
 from __future__ import annotations
 
-from engram_train.memory_plan.layout import Layout
+from engram_train.memory_plan.plan_layout import Layout
 from engram_train.memory_plan.model_bytes import StageParams
 
 

@@ -72,7 +72,7 @@ from engram_train.engram.row_grad import arm_row_sparse_grad
 from engram_train.errors import ConfigError
 from engram_train.parallel.row_grad_sync import RowGradSyncStats, sync_row_grads
 from engram_train.runtime.distributed import device as runtime_device
-from engram_train.runtime.megatron_fixes import ENGRAM_CHAIN_ROLE
+from engram_train.runtime.optimizer_chain import ENGRAM_CHAIN_ROLE
 from engram_train.training.host_update import OverlappedHostUpdate
 from engram_train.training.rowwise_adam import RowwiseAdam
 from engram_train.training.sparse_adam import RowOptimizer, RowSparseAdam

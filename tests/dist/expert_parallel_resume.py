@@ -62,7 +62,7 @@ def steps(model, optimizer, n: int) -> list[float]:
 
 
 def roles(optimizer) -> list[str]:
-    from engram_train.runtime.megatron_fixes import chain_roles
+    from engram_train.runtime.optimizer_chain import chain_roles
 
     return chain_roles(optimizer.chained_optimizers)
 

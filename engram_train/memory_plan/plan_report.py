@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engram_train.memory_plan import activations, engram_tables, fixed, optimizer_bytes
-from engram_train.memory_plan.layout import Layout
+from engram_train.memory_plan.plan_layout import Layout
 from engram_train.memory_plan.model_bytes import StageParams, grad_buffer_bytes, weight_bytes
 
 PHASES = ("step", "optimizer", "save")
