@@ -250,7 +250,7 @@ def test_export_refuses_the_variant_in_one_line(trainer_runs):
     from engram_train.export.exporter import plan_export
 
     with pytest.raises(ExportError, match=r"model.engram_variant='deepseek_v41': the export") as info:
-        plan_export(trainer_runs / "ckpt", verify=False)
+        plan_export(trainer_runs / "ckpt", config=trainer_runs / "one" / "config.yaml", verify=False)
     assert "\n" not in str(info.value)
 
 
@@ -287,3 +287,13 @@ def test_table_options_train(layouts):
 def test_prefetch_is_exact(layouts):
     assert layouts["eps2_no_prefetch"]["losses"] == layouts["eps2"]["losses"]
     assert layouts["eps2~eps2_no_prefetch"] == 0
+
+
+def test_tensor_parallel_two_with_sequence_parallelism_and_allreduce_tables(layouts):
+    """TP2 + SP (the branch's wkv and gate weights take megatron's TP gradient sum) with the
+    tables vocab-parallel over TP: the replicated run's losses and grad norms; the tables agree
+    to Adam's amplification of reduction-order noise in tiny gradient entries."""
+    ref, tp2 = layouts["eps1"], layouts["tp2_allreduce"]
+    assert max(abs(a - b) for a, b in zip(ref["losses"], tp2["losses"])) <= 1e-5
+    assert tp2["grad_norms"] == pytest.approx(ref["grad_norms"], rel=1e-5)
+    assert layouts["eps1~tp2_allreduce"] <= 2e-3

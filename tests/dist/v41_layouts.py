@@ -7,7 +7,8 @@ the same step-specific global batches (hash ids from the variant's ``hash_block`
 path gives them): losses, grad norms and the reassembled tables are recorded. Runs: eps 1 (the
 tables replicated on both ranks, the reference) and eps 2 with ``sparse_adam`` on the device;
 eps 2 with the tables on the host for ``sparse_adam``, ``rowwise_adam`` and the 4-byte options,
-each beside the same run on the device; eps 2 without next-layer prefetch. Evidence that the
+each beside the same run on the device; eps 2 without next-layer prefetch; TP2 with sequence
+parallelism and the tables vocab-parallel over TP (``allreduce``). Evidence that the
 host path ran (host-resident tables, rows staged through the host) is recorded per run."""
 
 import sys
@@ -50,6 +51,7 @@ RUNS = [  # name, layout, overrides
     ("eps2_4byte", EPS2, FOUR_BYTE),
     ("eps2_4byte_host", EPS2, dict(FOUR_BYTE, engram_table_placement="host")),
     ("eps2_no_prefetch", EPS2, dict(engram_prefetch=False)),
+    ("tp2_allreduce", ParallelSizes(tensor=2), dict(sp=True, method="allreduce")),
 ]
 
 
@@ -73,7 +75,7 @@ def batches_of_step(config, step: int):
 
 def run(root, sizes, overrides):
     config, model, optimizer = build_engram_training(sizes, LAYER_IDS, seed=3, load=root,
-                                                     **V41, **overrides)
+                                                     **{**V41, **overrides})
     tables = list(table_optimizer(optimizer).model_params)
     HOST_TABLE_TIMES.reset()
     losses, norms = [], []
@@ -101,7 +103,8 @@ def main():
     for name, sizes, overrides in RUNS:
         result[name], tables[name] = run(root, sizes, overrides)
     for a, b in [("eps1", "eps2"), ("eps2", "eps2_host"), ("eps2_rowwise", "eps2_rowwise_host"),
-                 ("eps2_4byte", "eps2_4byte_host"), ("eps2", "eps2_no_prefetch")]:
+                 ("eps2_4byte", "eps2_4byte_host"), ("eps2", "eps2_no_prefetch"),
+                 ("eps1", "tp2_allreduce")]:
         result[f"{a}~{b}"] = max(float((tables[a][k] - tables[b][k]).abs().max())
                                  for k in tables[a])
     write_result(args.out, result)
