@@ -279,3 +279,11 @@ def test_size_rules_hold():
         f"engram_train.data.synthetic_big: {MAX_MODULE_LINES + 1} lines",
         "plan_layout.py in engram_train.memory_plan.plan_layout, engram_train.sweep.plan_layout",
     ]
+
+
+def test_the_readme_layout_names_every_package_folder():
+    layout = (REPO / "README.md").read_text().split("## Layout", 1)[1].split("\n## ", 1)[0]
+    folders = {p.parent.relative_to(PACKAGE).parts[0] for p in PACKAGE.rglob("*.py")
+               if p.parent != PACKAGE}
+    assert folders, "the scan finds the packages"
+    assert [f for f in sorted(folders) if f"  {f}/" not in layout] == []
