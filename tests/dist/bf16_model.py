@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import torch
 import torch.distributed as dist
+from common import forget_graphs
 from common import SEQ, VOCAB, parse_args, repeated_batches, write_result
 from engram_integration import engram_config
 
@@ -55,6 +56,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 def setup(precision: str, table_dtype: str, seed: int):
     parallel_state.destroy_model_parallel()
+    forget_graphs()  # the previous layout's model can be freed
     initialize_distributed(LAYOUT, seed=seed)
     dtype = DTYPES[precision]
     config = engram_config(
@@ -163,6 +165,7 @@ def main():
     args = parse_args()
     result = {}
     parallel_state.destroy_model_parallel()
+    forget_graphs()  # the previous layout's model can be freed
     initialize_distributed(LAYOUT, seed=1)
     holder = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(holder, src=0)

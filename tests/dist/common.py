@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import weakref
+import gc
 import json
 import os
 from pathlib import Path
@@ -76,14 +76,6 @@ def tiny_config(tp=1, pp=1, ep=1, sp=False, **overrides):
     return deepseek_v3_config(**fields)
 
 
-# Modules of the models built so far in this process (the scripts build layout after layout).
-_BUILT: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
-
-
-def remember(model_chunks) -> None:
-    for chunk in model_chunks:
-        _BUILT.add(chunk)
-
 
 def _holds_graph(value) -> bool:
     if isinstance(value, torch.Tensor):
@@ -92,19 +84,19 @@ def _holds_graph(value) -> bool:
 
 
 def forget_graphs() -> None:
-    """Let the models of earlier layouts be freed. megatron's MoE token dispatchers keep the
-    last forward's routing tensors, with their autograd graph, as attributes; the graph reaches
-    the parameters' grad accumulators, whose hooks hold megatron's DDP, which holds the model:
-    a cycle through C++ autograd nodes that Python's collector cannot see. Each old model and
-    its process groups (3 gloo threads each, polling) would stay alive: a script of 8 layouts
-    grew to ~1600 threads per rank. Between layouts no backward is pending, so the tensors are
-    dropped."""
-    for chunk in list(_BUILT):
-        for module in chunk.modules():
-            # the module's own attributes and those of its plain helper objects (the dispatcher)
-            owners = [module] + [v for v in vars(module).values()
-                                 if hasattr(v, "__dict__") and not isinstance(v, (torch.nn.Module, type))]
-            for owner in owners:
-                for name, value in list(vars(owner).items()):
-                    if _holds_graph(value):
-                        setattr(owner, name, None)
+    """Let the models of earlier layouts be freed; call it before building the next layout.
+    megatron's MoE token dispatchers keep the last forward's routing tensors, with their
+    autograd graph, as attributes; the graph reaches the parameters' grad accumulators, whose
+    hooks hold megatron's DDP, which holds the model: a cycle through C++ autograd nodes that
+    Python's collector cannot see. Each old model and its process groups (3 gloo threads each,
+    polling) stayed alive: a script of 8 layouts grew to ~1600 threads per rank. Between
+    layouts no backward is pending, so such tensors of every live module are dropped."""
+    for module in [o for o in gc.get_objects() if isinstance(o, torch.nn.Module)]:
+        # the module's own attributes and those of its plain helper objects (the dispatcher)
+        owners = [module] + [v for v in vars(module).values()
+                             if hasattr(v, "__dict__") and not isinstance(v, (torch.nn.Module, type))]
+        for owner in owners:
+            for name, value in list(vars(owner).items()):
+                if _holds_graph(value):
+                    setattr(owner, name, None)
+    gc.collect()

@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import torch
 import torch.distributed as dist
+from common import forget_graphs
 from common import parse_args, write_result
 
 from engram_train.runtime import ParallelSizes, initialize_distributed
@@ -115,6 +116,7 @@ def reassemble(engram, tensor, shard_group):
 
 def check_layout(result, ref, name, method, tp, eps):
     parallel_state.destroy_model_parallel()
+    forget_graphs()  # the previous layout's model can be freed
     initialize_distributed(ParallelSizes(tensor=tp, engram_embedding=eps), seed=1)
     config = engram_config(method, eps)
     parallel = engram_embedding_parallel(config)
@@ -160,6 +162,7 @@ def check_groups(result):
     """Engram groups under TP2 x PP2 with eps 2 (formed inside each pipeline stage) and DP4 eps 4;
     a model asking for another eps than the groups have is refused."""
     parallel_state.destroy_model_parallel()
+    forget_graphs()  # the previous layout's model can be freed
     initialize_distributed(ParallelSizes(tensor=2, pipeline=2, engram_embedding=2), seed=1)
     result["groups_tp2pp2_eps2"] = dict(
         embedding=list(groups.get_engram_embedding_parallel_ranks()),
@@ -170,6 +173,7 @@ def check_groups(result):
         embedding_size=groups.get_engram_embedding_parallel_world_size(),
     )
     parallel_state.destroy_model_parallel()
+    forget_graphs()  # the previous layout's model can be freed
     initialize_distributed(ParallelSizes(engram_embedding=4), seed=1)
     result["groups_dp4_eps4"] = dict(
         embedding=list(groups.get_engram_embedding_parallel_ranks()),
@@ -186,6 +190,7 @@ def check_groups(result):
 def check_bf16(result):
     """bf16 table: row gradients accumulate in float32, Adam steps float32 main copies."""
     parallel_state.destroy_model_parallel()
+    forget_graphs()  # the previous layout's model can be freed
     initialize_distributed(ParallelSizes(engram_embedding=2), seed=1)
     config = engram_config("alltoall", 2)
     out = {}

@@ -17,8 +17,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import torch
 import torch.distributed as dist
-from common import (SEQ, VOCAB, forget_graphs, parse_args, remember, repeated_batches,
-                    tiny_config, write_result)
+from common import SEQ, VOCAB, forget_graphs, parse_args, repeated_batches, tiny_config, write_result
 
 from engram_train.runtime import ParallelSizes, initialize_distributed
 
@@ -75,7 +74,6 @@ def build_engram_training(layout: ParallelSizes, layer_ids, *, method="alltoall"
     config = engram_config(layout, layer_ids, sp=sp, engram_embedding_parallel_method=method,
                            engram_embedding_parallel_size=layout.engram_embedding, **overrides)
     model = build_model(config, VOCAB, SEQ, DistributedDataParallelConfig(grad_reduce_in_fp32=True))
-    remember(model)
     config.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
     if load is not None:
         load_checkpoint(load, model)
@@ -121,7 +119,6 @@ def init(layout: ParallelSizes, seed=1):
 def build(cfg, distopt=False):
     model = build_model(cfg, VOCAB, SEQ, DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, use_distributed_optimizer=distopt))
-    remember(model)
     return model
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from common import forget_graphs
 from common import SEQ, VOCAB, parse_args, repeated_batches, write_result
 from engram_integration import SMALL, engram_config
 
@@ -39,6 +40,7 @@ def build(ep: int, distributed: bool):
 
     parallel_state.destroy_model_parallel()
     layout = ParallelSizes(expert=ep)
+    forget_graphs()  # the previous layout's model can be freed
     initialize_distributed(layout, seed=11)
     config = engram_config(layout, [1], expert_model_parallel_size=ep, **SMALL)
     ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True,

@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import torch
 import torch.distributed as dist
+from common import forget_graphs
 from common import parse_args, repeated_batches, tiny_config, write_result, VOCAB, SEQ
 
 from engram_train.runtime import ParallelSizes, initialize_distributed
@@ -29,6 +30,7 @@ from engram_train.training.step import train_step
 
 def setup(layout: ParallelSizes, seed: int):
     parallel_state.destroy_model_parallel()
+    forget_graphs()  # the previous layout's model can be freed
     initialize_distributed(layout, seed=seed)
     config = tiny_config(tp=layout.tensor, pp=layout.pipeline, ep=layout.expert, sp=True)
     config.finalize_model_grads_func = finalize_model_grads

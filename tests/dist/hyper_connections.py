@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).parents[1]))
 
 import torch
 import torch.distributed as dist
+from common import forget_graphs
 from common import SEQ, VOCAB, parse_args, repeated_batches, tiny_config, write_result
 from engram_integration import ENGRAM, build, dp_share_of_step
 
@@ -68,6 +69,7 @@ RESHARD_FROM = "tp2pp2sp_eps2"
 
 def init(layout: ParallelSizes, seed=1):
     parallel_state.destroy_model_parallel()
+    forget_graphs()  # the previous layout's model can be freed
     initialize_distributed(layout, seed=seed)
 
 

@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import torch
 import torch.distributed as dist
+from common import forget_graphs
 from common import parse_args, write_result
 from embedding_parallel_training import (
     STEPS,
@@ -160,6 +161,7 @@ def check_bf16(result):
     from engram_train.engram.row_grad import gather_rows
 
     parallel_state.destroy_model_parallel()
+    forget_graphs()  # the previous layout's model can be freed
     initialize_distributed(LAYOUT, seed=5)
     rank = dist.get_rank()
     model_config = SimpleNamespace(engram_lr_multiplier=5.0, engram_weight_decay=0.1)
@@ -214,6 +216,7 @@ def main():
     args = parse_args()
     result = dict(clip=CLIP)
     parallel_state.destroy_model_parallel()
+    forget_graphs()  # the previous layout's model can be freed
     initialize_distributed(LAYOUT, seed=1)
     holder = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(holder, src=0)

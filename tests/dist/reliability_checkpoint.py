@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import torch
 import torch.distributed as dist
+from common import forget_graphs
 from common import SEQ, VOCAB, parse_args, repeated_batches, tiny_config, write_result
 from engram_integration import engram_config
 
@@ -62,6 +63,7 @@ def setup(layout: ParallelSizes, use_engram: bool, seed: int):
     add/remove checks compare them), so the layout is initialized only when it changes: a new
     layout releases the previous one's process groups, which its optimizers hold."""
     if _current_layout[0] != layout:
+        forget_graphs()  # the previous layout's model can be freed
         initialize_distributed(layout, seed=seed)
         _current_layout[0] = layout
     else:
@@ -294,6 +296,7 @@ def stop_check_shares_the_loss(result):
 def main():
     args = parse_args()
     result = {}
+    forget_graphs()  # the previous layout's model can be freed
     initialize_distributed(A, seed=1)
     _current_layout[0] = A
     root = shared_root()

@@ -16,6 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 import torch
+from common import forget_graphs
 from common import SEQ, VOCAB, parse_args, write_result
 from engram_integration import dp_share_of_step, engram_config, shared_tmpdir, table_optimizer
 
@@ -55,6 +56,7 @@ CASES = [  # name, layout, distributed optimizer, Engram overrides
 
 def build(layout, distopt, overrides):
     parallel_state.destroy_model_parallel()
+    forget_graphs()  # the previous layout's model can be freed
     initialize_distributed(layout, seed=1)
     config = engram_config(layout, LAYER_IDS, engram_embedding_parallel_size=layout.engram_embedding,
                            **overrides)
