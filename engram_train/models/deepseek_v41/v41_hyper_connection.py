@@ -9,7 +9,12 @@ computed from the streams the sublayer receives, ``X [s, b, n, h]``::
                    2 sigmoid(scale[1] m_post + base_post),
                    sinkhorn(scale[2] m_res + base_res)
 
-with the same `normalized_projection` and `sinkhorn` as the project's mHC. What V4.1 changes is
+the same arithmetic as the project's mHC (`normalized_projection`, `sinkhorn`), written here in
+the released reference's order of operations (project, then scale by the inverse RMS; the
+Sinkhorn sums over a matrix's rows and columns; autograd's backward): V4.1's fake quantization
+turns a last-bit difference upstream into another FP4/FP8 code now and then, so the blocks keep
+the reference's bits (forward and stream gradients bitwise equal to NeMo Automodel's). What
+V4.1 changes is
 which ``pre`` collapses the streams: the attention sublayer of a layer reads ``sum_j pre[j] X[j]``
 with the ``pre`` of the sublayer *before* it (the previous layer's MoE; a one-hot on stream 0 at
 the first layer, `first_pre`), the MoE sublayer reads its streams with the attention sublayer's
@@ -27,10 +32,10 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engram_train.errors import InputError
-from engram_train.models.hyper_connection import normalized_projection, scale_index, sinkhorn
 
 
 class DeepseekV41Mix(NamedTuple):
@@ -40,6 +45,21 @@ class DeepseekV41Mix(NamedTuple):
     pre: torch.Tensor
     post: torch.Tensor
     comb: torch.Tensor
+
+
+def sinkhorn(logits: torch.Tensor, iterations: int, eps: float) -> torch.Tensor:
+    """The doubly stochastic ``comb`` from ``[..., n (from), n (to)]`` logits, in the released
+    reference's order of operations: a softmax over each row, then a column and a row
+    normalisation alternately (``iterations`` column steps). The project mHC's `sinkhorn`
+    computes the same in a tokens-last layout; its sums round differently in the last bit,
+    and V4.1's fake quantization downstream turns a last-bit difference into a different FP4
+    or FP8 code now and then, so V4.1 keeps the reference's order (autograd's backward)."""
+    x = logits.softmax(dim=-1) + eps
+    x = x / (x.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iterations - 1):
+        x = x / (x.sum(dim=-1, keepdim=True) + eps)
+        x = x / (x.sum(dim=-2, keepdim=True) + eps)
+    return x
 
 
 def first_pre(streams: torch.Tensor) -> torch.Tensor:
@@ -79,7 +99,6 @@ class DeepseekV41HyperConnection(nn.Module):
         self.fn = nn.Parameter(torch.empty((2 + n) * n, n * hidden_size, **factory))
         self.base = nn.Parameter(torch.empty((2 + n) * n, **factory))
         self.scale = nn.Parameter(torch.empty(3, **factory))
-        self.register_buffer("_scale_index", scale_index(n, device), persistent=False)
         self.reset_parameters(init_std)
 
     @torch.no_grad()
@@ -92,9 +111,12 @@ class DeepseekV41HyperConnection(nn.Module):
         n, h = self.num_streams, self.hidden_size
         if streams.ndim != 4 or streams.shape[2:] != (n, h):
             raise InputError(f"the mHC streams are [s, b, {n}, {h}], got {tuple(streams.shape)}.")
-        projected = normalized_projection(streams.flatten(2), self.fn, self.norm_eps)
-        z = torch.addcmul(self.base.float(), projected,
-                          self.scale.float().index_select(0, self._scale_index))
+        flat = streams.flatten(2).float()  # project, then scale by the inverse RMS
+        projected = F.linear(flat, self.fn.float()) * torch.rsqrt(
+            flat.square().mean(-1, keepdim=True) + self.norm_eps)
+        scale = self.scale.float()  # one per part, expanded as the reference does
+        scales = torch.cat((scale[0].expand(n), scale[1].expand(n), scale[2].expand(n * n)))
+        z = torch.addcmul(self.base.float(), projected, scales)
         gates = torch.sigmoid(z[..., : 2 * n])
         comb = sinkhorn(z[..., 2 * n:].unflatten(-1, (n, n)), self.iterations, self.eps)
         return DeepseekV41Mix(gates[..., :n] + self.eps, 2 * gates[..., n:], comb)
