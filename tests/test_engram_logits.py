@@ -1,6 +1,7 @@
 """engram-logits: a checkpoint's logits equal an independent forward of it, at one process and
-at TP2 x PP2, EP2 x Engram embedding-parallel 2 and TP2 x EP2 x eps 2; the ids and layouts it
-refuses, each in one line, with nothing written."""
+at TP2 x PP2, EP2 x Engram embedding-parallel 2 and TP2 x EP2 x eps 2; models without Engram
+and with mHC at TP2 x PP2, DeepSeek-V4.1's on four data-parallel replicas; the ids and layouts
+it refuses, each in one line, with nothing written."""
 
 from __future__ import annotations
 
@@ -25,6 +26,14 @@ LAYOUTS = {
     "ep2_eps2": "system.expert_model_parallel_size=2,model.engram_embedding_parallel_size=2",
     "tp2_ep2_eps2": "system.tensor_model_parallel_size=2,system.expert_model_parallel_size=2,"
                     "model.engram_embedding_parallel_size=2",
+}
+# seeded models saved with their run config (as engram-import-hf saves one); V4.1 runs
+# data-parallel only for now (its config refuses model parallelism)
+TP2_PP2 = ["system.tensor_model_parallel_size=2", "system.pipeline_model_parallel_size=2"]
+MODELS = {
+    "no_engram": {"model": ["model.use_engram=false"], "layout": TP2_PP2},
+    "mhc": {"model": ["model.enable_hyper_connections=true"], "layout": TP2_PP2},
+    "v41": {"preset": "deepseek_v41_tiny", "layout": []},
 }
 
 
@@ -80,7 +89,8 @@ def layouts(trained):
     out = trained.root / "layouts"
     results = torchrun("logits_layouts.py", 4, out, "--ckpt", str(trained.ckpt), "--config",
                        str(trained.exp / "config.yaml"), "--ids", str(trained.ids), "--layouts",
-                       ";".join(f"{name}:{o}" for name, o in LAYOUTS.items()))
+                       ";".join(f"{name}:{o}" for name, o in LAYOUTS.items()), "--models",
+                       json.dumps(MODELS))
     return out, results
 
 
@@ -107,6 +117,16 @@ def test_layouts_equal_one_process(one_process, layouts, layout):
     assert all(r["shapes"][layout] is None for r in results[1:])
     assert _max_diff(one_process, out / f"{layout}.safetensors") <= 1e-5
     assert not [p for p in out.iterdir() if ".tmp" in p.name]  # written through a rename
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_other_models_equal_their_forward(layouts, model):
+    out, results = layouts
+    assert results[0]["shapes"][model] == [3, 21, 4096]
+    logits = load_file(str(out / model / "command.safetensors"))["logits"]
+    assert logits.abs().max() > 0.05  # not zeros
+    assert _max_diff(out / model / "independent.safetensors",
+                     out / model / "command.safetensors") <= 1e-5
 
 
 def _refused(capsys, tmp_path, trained, ids, *overrides) -> str:

@@ -157,11 +157,7 @@ def check_layout(cfg, world: int) -> None:
     if s.virtual_pipeline_model_parallel_size is not None:
         raise ConfigError("system.virtual_pipeline_model_parallel_size: engram-logits runs one "
                           "model chunk per pipeline stage; drop the override")
-    sizes = parallel_sizes(cfg)
-    sizes.validate(world)
-    if int(cfg.model.num_layers) % sizes.pipeline:
-        raise ConfigError(f"model.num_layers={cfg.model.num_layers} must be divisible by "
-                          f"system.pipeline_model_parallel_size={sizes.pipeline}")
+    parallel_sizes(cfg).validate(world)
 
 
 def plan_logits(load, overrides: Sequence[str] = (), *, config=None, iteration=None,
@@ -194,6 +190,10 @@ def plan_logits(load, overrides: Sequence[str] = (), *, config=None, iteration=N
     cfg = layout_config(doc, overrides, where)
     check_layout(cfg, world)
     model_config = build_transformer_config(cfg)
+    if model_config.num_layers % model_config.pipeline_model_parallel_size:
+        raise ConfigError(f"the model's {model_config.num_layers} layers do not split over "
+                          f"system.pipeline_model_parallel_size="
+                          f"{model_config.pipeline_model_parallel_size} stages; choose a divisor")
     embedding = reader.tensors.get("embedding.word_embeddings.weight")
     if embedding is None:
         raise InputError(f"--load {load}: {directory} holds no embedding.word_embeddings.weight; "
