@@ -213,3 +213,65 @@ def test_model_matches_nemo(nemo, inputs, one_rank, engram):
           f"parameters, {worst_scale:.2e} over the {len(scales)} mHC scales")
     frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
     assert frozen and all(".attn.indexer." in n for n in frozen)  # NeMo's frozen indexer
+
+
+def test_trainer_runs_the_tiny_preset_with_a_falling_loss(tmp_path):
+    """``model=deepseek_v41_tiny`` (Engram on) through the trainer on the shipped corpus: one
+    process, 20 steps; megatron's schedule and optimizer, the Engram table optimizer."""
+    import json
+    import os
+    import sys
+
+    from launch import REPO, free_port, run_process
+
+    exp = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1",
+           f"--master-port={free_port()}", "-m", "engram_train.train", "model=deepseek_v41_tiny",
+           f"experiment.exp_dir={exp}", "train.train_iters=20", "train.global_batch_size=4",
+           "train.micro_batch_size=4", "train.seq_length=64", "train.log_interval=5",
+           "train.eval_interval=null", "train.lr_warmup_iters=3"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = run_process(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    records = [json.loads(line) for line in (exp / "metrics.jsonl").read_text().splitlines()
+               if line.strip()]
+    losses = [r["lm_loss"] for r in records]
+    assert [r["iteration"] for r in records] == [5, 10, 15, 20]
+    assert losses[-1] < losses[0] - 0.5, losses
+    assert all("engram wait (ms)" in line for line in proc.stdout.splitlines()
+               if " iteration " in line and "lm loss:" in line)
+
+
+@pytest.mark.parametrize("overrides, world, match", [
+    (["system.tensor_model_parallel_size=2"], 2, r"tensor_model_parallel_size=2 with model_fam"),
+    (["system.pipeline_model_parallel_size=2"], 2, r"pipeline_model_parallel_size=2 with model_"),
+    (["system.expert_model_parallel_size=2"], 2, r"expert_model_parallel_size=2 with model_fam"),
+    (["system.recompute_granularity=full"], 1, r"recompute_granularity=full with model_family"),
+    (["+model.num_layers=4"], 1, r"unknown keys \['num_layers'\] for model_family=deepseek_v41"),
+    (["+model.enable_hyper_connections=true"], 1, r"V4.1 has its own single-pass mHC"),
+    (["model.model_family=deepseek_v5"], 1, r"model_family='deepseek_v5' is not a model family"),
+    (["model.compress_ratios=[0,2,2,2,1,1]"], 1, r"compress_ratios has 6 entries"),
+])
+def test_what_the_v41_config_refuses(overrides, world, match):
+    from test_presets import _cfg
+
+    from engram_train.errors import ConfigError
+    from engram_train.training.run_config import validate_run_config
+
+    with pytest.raises(ConfigError, match=match):
+        validate_run_config(_cfg(["model=deepseek_v41_tiny", *overrides]), world)
+
+
+def test_family_fields_of_both_families():
+    """V3 presets leave ``model_family`` at deepseek_v3; a V4.1 preset's megatron view."""
+    from test_presets import _cfg
+
+    from engram_train.config.family import model_family
+    from engram_train.training.run_config import build_transformer_config, validate_run_config
+
+    assert model_family(build_transformer_config(_cfg([]))) == "deepseek_v3"
+    config = validate_run_config(_cfg(["model=deepseek_v41_tiny"]), 2)  # data-parallel
+    assert model_family(config) == "deepseek_v41"
+    assert (config.num_layers, config.num_moe_experts, config.moe_router_topk,
+            config.layernorm_epsilon, config.engram_hc_mult) == (7, 4, 2, 1e-20, 4)
+    assert config.deepseek_v41.compress_ratios == (0, 2, 2, 2, 1, 1, 1)

@@ -28,7 +28,7 @@ DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 # The tokenizer of the paper's models (DeepSeek-V3's, 129,280 entries); the other presets count
 # with the configured data.tokenizer (the demo's 4,096).
 PAPER_VOCAB = 129_280
-VOCAB = {"engram_27b": PAPER_VOCAB, "moe_27b": PAPER_VOCAB}
+VOCAB = {"engram_27b": PAPER_VOCAB, "moe_27b": PAPER_VOCAB, "deepseek_v41_flash": PAPER_VOCAB}
 
 
 # -- commands ------------------------------------------------------------------------------------
@@ -134,9 +134,62 @@ def test_engram_27b_commands_keep_the_papers_experts():
 
 # -- parameter counts ----------------------------------------------------------------------------
 
+def v41_engram_rows(layers: int, orders: int, heads: int, vocab: int) -> list[int]:
+    """Rows of each V4.1 Engram layer's table: its heads' primes, drawn above ``vocab`` for
+    every order with one ``seen`` set over all layers (the released rule)."""
+    def is_prime(n: int) -> bool:
+        return n > 1 and all(n % i for i in range(2, int(n ** 0.5) + 1))
+
+    seen, rows = set(), []
+    for _ in range(layers):
+        total = 0
+        for _ in range(orders * heads):
+            current = vocab
+            while not is_prime(current) or current in seen:
+                current += 1
+            seen.add(current)
+            total += current
+        rows.append(total)
+    return rows
+
+
+def closed_form_v41(m, vocab: int) -> dict:
+    """DeepSeek-V4.1's counts from its fields (V4.1's names, docs/deepseek-v41.md)."""
+    d, n, L = m.hidden_size, m.hc_mult, m.num_hidden_layers
+    h, hd, ql, ol, g = m.num_attention_heads, m.head_dim, m.q_lora_rank, m.o_lora_rank, m.o_groups
+    ih, ihd = m.index_n_heads, m.index_head_dim
+    inter, experts = m.moe_intermediate_size, m.n_routed_experts
+    attention = (d * ql + ql + ql * h * hd + d * hd + hd + g * ol * (h * hd // g) + g * ol * d
+                 + h)  # wq_a, q_norm, wq_b, wkv, kv_norm, wo_a, wo_b, sinks
+    mhc = 2 * ((2 + n) * n * n * d + (2 + n) * n + 3)  # attn_hc, ffn_hc
+    moe = experts * d + experts * 3 * d * inter + 3 * d * inter  # router, routed, shared
+    total = 2 * vocab * d + d + L * (attention + 2 * d + mhc + moe)
+    for i in range(L):
+        ratio = m.compress_ratios[i]
+        if i in m.kv_source_layer_ids:  # compressor (wkv, wgate above ratio 1, norm); index keys
+            total += d * hd + (d * hd if ratio > 1 else 0) + hd + hd * ihd + ihd
+        if i in m.index_source_layer_ids:  # indexer queries and head weights
+            total += ql * ih * ihd + d * ih
+    tables = dense = 0
+    if m.use_engram:
+        width = m.n_embed_per_ngram // m.n_head_per_ngram
+        rows = v41_engram_rows(len(m.engram_layer_ids), m.max_ngram_size - 1,
+                               m.n_head_per_ngram, m.engram_vocab_size[0])
+        tables = sum(rows) * width
+        memory = (m.max_ngram_size - 1) * m.n_embed_per_ngram
+        dense = len(m.engram_layer_ids) * (memory * (n + 1) * d + 2 * n * d)  # wkv, q/k weights
+    total += tables + dense
+    unrouted = L * (experts - m.num_experts_per_tok) * 3 * d * inter
+    return dict(total=total, activated=total - vocab * d - tables - unrouted,
+                engram_tables=tables, engram_dense=dense)
+
+
 def closed_form(m, vocab: int) -> dict:
     """Parameter counts from the preset's fields (MLA + RMSNorm + SwiGLU MoE, untied output)."""
     from engram_train.engram.ngram_hash import engram_head_vocab_sizes
+
+    if m.get("model_family", "deepseek_v3") == "deepseek_v41":
+        return closed_form_v41(m, vocab)
 
     d, h, L = m.hidden_size, m.num_attention_heads, m.num_layers
     attention = (d * m.q_lora_rank + m.q_lora_rank  # q down + its norm

@@ -177,8 +177,8 @@ def _check_pipeline(cfg, p: ParallelSizes, dp: int) -> None:
 def _check_model_family_layout(cfg, p: ParallelSizes) -> None:
     """DeepSeek-V4.1 runs data-parallel only for now (docs/deepseek-v41.md 'The model'): its
     CSA2 state does not cross pipeline stages yet, the shared KV head's gradient is not reduced
-    over tensor-parallel ranks, its routed experts are all local and its compressed runs are
-    not split over context-parallel ranks."""
+    over tensor-parallel ranks, its routed experts are all local, its compressed runs are not
+    split over context-parallel ranks, and its layers have no recompute path."""
     if preset_family(cfg.model) != DEEPSEEK_V41:
         return
     sizes = {"pipeline_model_parallel_size": p.pipeline, "tensor_model_parallel_size": p.tensor,
@@ -188,12 +188,15 @@ def _check_model_family_layout(cfg, p: ParallelSizes) -> None:
         wider.append(f"system.virtual_pipeline_model_parallel_size={p.virtual_pipeline}")
     if p.engram_embedding > 1:
         wider.append(f"model.engram_embedding_parallel_size={p.engram_embedding}")
+    if cfg.system.recompute_granularity is not None:
+        wider.append(f"system.recompute_granularity={cfg.system.recompute_granularity}")
     if wider:
         raise ConfigError(
             f"{', '.join(wider)} with model_family=deepseek_v41: V4.1 trains data-parallel only "
             "for now (the CSA2 state between layers is not carried across pipeline stages, the "
             "shared KV head's gradient is not reduced over tensor-parallel ranks, experts and "
-            "Engram tables are not sharded); set them to 1 (docs/deepseek-v41.md 'The model')")
+            "Engram tables are not sharded, no recompute path); set them to 1 / null "
+            "(docs/deepseek-v41.md 'The model')")
 
 
 def _check_tensor_and_expert_parallel(cfg, p: ParallelSizes) -> None:

@@ -26,7 +26,9 @@ experts are all local.
 
 Under bf16 the float32 parts keep their dtype (``keep_fp32``, held out of ``Float16Module``'s
 cast by the builder): the mHC mappings (``attn_hc``/``ffn_hc``), the attention sinks and the
-output layer, as NeMo's ``_keep_in_fp32_modules_strict``.
+output layer, the compressors' ``wkv``/``wgate``, as NeMo's ``_keep_in_fp32_modules_strict``. The
+router's ``e_score_correction_bias`` is a buffer, which ``Float16Module`` casts to bf16 (NeMo
+keeps it float32): a difference under bf16 only.
 """
 
 from __future__ import annotations
@@ -100,7 +102,7 @@ class DeepseekV41GPTModel(LanguageModule):
         for name, param in self.named_parameters():
             if param.dtype == torch.float32 and (
                     ".attn_hc." in name or ".ffn_hc." in name or name.endswith(".attn_sink")
-                    or name.startswith("output_layer.")):
+                    or ".attn.compressor.w" in name or name.startswith("output_layer.")):
                 param.keep_fp32 = True
 
     def set_input_tensor(self, input_tensor) -> None:
