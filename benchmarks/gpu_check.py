@@ -239,7 +239,7 @@ def local_name(te_name: str) -> str:
 
 
 def te_spec(ctx: Context) -> dict:
-    from engram_train.models.specs import use_transformer_engine
+    from engram_train.models.deepseek_v3.v3_specs import use_transformer_engine
 
     check(use_transformer_engine(), "Transformer Engine is installed but not selected on CUDA")
     return compare_specs(ctx, second_te=True)
@@ -720,7 +720,7 @@ def memory_plan_vs_allocated(ctx: Context, cfg, micro: int) -> dict:
     """engram-plan's device bytes of this rank (without what the allocator does not count:
     CUDA context, NCCL buffers, fragmentation) against ``torch.cuda.max_memory_allocated``.
     Recorded, not checked: docs/memory.md states the GPU side as assumptions."""
-    from engram_train.memory_plan.cli import make_plan
+    from engram_train.memory_plan.plan_cli import make_plan
     from engram_train.memory_plan.fixed import NOT_ALLOCATED
     from omegaconf import OmegaConf
 

@@ -41,9 +41,9 @@ TOOLS = {
     "engram-plot": ("engram_train.plot", "main"),
     "engram-import-hf": ("engram_train.hf.importer", "main"),
     "engram_train.hf.importer": ("engram_train.hf.importer", "main"),
-    "engram-sweep": ("engram_train.sweep.cli", "main"),
-    "engram-plan": ("engram_train.memory_plan.cli", "main"),
-    "engram_train.memory_plan": ("engram_train.memory_plan.cli", "main"),
+    "engram-sweep": ("engram_train.sweep.sweep_cli", "main"),
+    "engram-plan": ("engram_train.memory_plan.plan_cli", "main"),
+    "engram_train.memory_plan": ("engram_train.memory_plan.plan_cli", "main"),
     "engram-logits": ("engram_train.inference.logits", "main"),
     "engram_train.inference.logits": ("engram_train.inference.logits", "main"),
 }

@@ -20,7 +20,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.optimizer import OptimizerConfig
 
-from engram_train.checkpoint.errors import NonFiniteStateError
+from engram_train.checkpoint.checkpoint_errors import NonFiniteStateError
 from engram_train.checkpoint.save import save_checkpoint
 from engram_train.engram.host_table import (
     HOST_TABLE_TIMES,

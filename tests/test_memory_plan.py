@@ -27,7 +27,7 @@ def plan_cli(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
 
 
 def plan_of(overrides, world=1, **kw):
-    from engram_train.memory_plan.cli import make_plan
+    from engram_train.memory_plan.plan_cli import make_plan
     from engram_train.training.param_count import compose_config
 
     return make_plan(compose_config(list(overrides)), world, world, **kw)
@@ -155,7 +155,7 @@ def test_cpu_attention_scores_are_float32(one_rank):
 
 
 def test_parse_bytes():
-    from engram_train.memory_plan.cli import PlanError, parse_bytes
+    from engram_train.memory_plan.plan_cli import PlanError, parse_bytes
 
     assert parse_bytes("141GiB", "--device-memory") == 141 * GIB
     assert parse_bytes("2TiB", "--host-memory") == 2 << 40

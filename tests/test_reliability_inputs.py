@@ -62,7 +62,7 @@ def test_one_run_per_checkpoint_folder(tmp_path, caplog):
     import subprocess
     import sys
 
-    from engram_train.checkpoint.errors import CheckpointFolderInUseError
+    from engram_train.checkpoint.checkpoint_errors import CheckpointFolderInUseError
     from engram_train.checkpoint.lock import LOCK_FILE, lock_save_folder
 
     folder = tmp_path / "ckpt"
@@ -113,7 +113,7 @@ def test_bad_split_and_sequence_length_fail_before_the_build(override, message):
 
 
 def test_sweep_without_seeds_is_refused():
-    from engram_train.sweep.cli import main
+    from engram_train.sweep.sweep_cli import main
 
     with pytest.raises(SystemExit) as e:
         main(["--seeds", ""])

@@ -251,7 +251,7 @@ def test_export_marker_records_every_file_and_check_names_changes(tmp_path, caps
     import hashlib
 
     from engram_train.export import main
-    from engram_train.export.errors import ExportError
+    from engram_train.export.export_errors import ExportError
     from engram_train.export.publish import MARKER, verify_export
 
     out = tmp_path / "hf"

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engram_train.checkpoint.errors import CheckpointError, CheckpointFolderInUseError
+from engram_train.checkpoint.checkpoint_errors import CheckpointError, CheckpointFolderInUseError
 from engram_train.checkpoint.layout import TRACKER, latest_iteration
 from engram_train.checkpoint.lock import LOCK_FILE, lock_save_folder
 from engram_train.checkpoint.manifest import check_checkpoint

@@ -246,7 +246,7 @@ def test_a_checkpoint_without_a_recorded_variant_is_the_paper_variants():
 
 
 def test_export_refuses_the_variant_in_one_line(trainer_runs):
-    from engram_train.export.errors import ExportError
+    from engram_train.export.export_errors import ExportError
     from engram_train.export.exporter import plan_export
 
     with pytest.raises(ExportError, match=r"model.engram_variant='deepseek_v41': the export") as info:

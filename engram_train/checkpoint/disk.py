@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from engram_train.checkpoint.errors import CheckpointSpaceError
+from engram_train.checkpoint.checkpoint_errors import CheckpointSpaceError
 from engram_train.checkpoint.manifest import checkpoint_bytes, rank_world
 
 # Free space below this after a failed write means the disk filled up (when the size a

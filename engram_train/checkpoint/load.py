@@ -18,7 +18,7 @@ import torch
 from megatron.core import dist_checkpointing
 from torch.distributed.checkpoint.api import CheckpointException
 
-from engram_train.checkpoint.errors import CheckpointError, DamagedCheckpointError
+from engram_train.checkpoint.checkpoint_errors import CheckpointError, DamagedCheckpointError
 from engram_train.checkpoint.layout import TRACKER, iteration_dir
 from engram_train.checkpoint.manifest import check_checkpoint, read_manifest
 from engram_train.checkpoint.selection import select_checkpoint

@@ -20,7 +20,7 @@ import socket
 import time
 from pathlib import Path
 
-from engram_train.checkpoint.errors import CheckpointError, CheckpointFolderInUseError
+from engram_train.checkpoint.checkpoint_errors import CheckpointError, CheckpointFolderInUseError
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from engram_train.checkpoint.errors import DamagedCheckpointError
+from engram_train.checkpoint.checkpoint_errors import DamagedCheckpointError
 from engram_train.checkpoint.layout import MANIFEST, iteration_dir, list_checkpoints
 
 MANIFEST_FORMAT = 1

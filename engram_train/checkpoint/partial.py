@@ -19,7 +19,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedTensor
 from megatron.core.dist_checkpointing.utils import add_prefix_for_sharding
 from megatron.core.optimizer import ChainedOptimizer
 
-from engram_train.checkpoint.errors import CheckpointError
+from engram_train.checkpoint.checkpoint_errors import CheckpointError
 from engram_train.checkpoint.state import (
     OPTIMIZER_METADATA,
     check_loaded,

@@ -26,7 +26,7 @@ from megatron.core import dist_checkpointing
 from torch.distributed.checkpoint.api import CheckpointException
 
 from engram_train.checkpoint.disk import check_free_space, free_bytes, gib, is_no_space
-from engram_train.checkpoint.errors import CheckpointError, CheckpointSpaceError, NonFiniteStateError
+from engram_train.checkpoint.checkpoint_errors import CheckpointError, CheckpointSpaceError, NonFiniteStateError
 from engram_train.checkpoint.layout import (
     MANIFEST,
     TRACKER,

@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engram_train.checkpoint.errors import DamagedCheckpointError
+from engram_train.checkpoint.checkpoint_errors import DamagedCheckpointError
 from engram_train.checkpoint.layout import MANIFEST, iteration_dir, list_checkpoints, read_tracker
 from engram_train.checkpoint.manifest import read_manifest, check_checkpoint
 

@@ -12,7 +12,7 @@ from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import is_main_replica
 from megatron.core.utils import unwrap_model
 
-from engram_train.checkpoint.errors import CheckpointError, DamagedCheckpointError
+from engram_train.checkpoint.checkpoint_errors import CheckpointError, DamagedCheckpointError
 from engram_train.config import uses_engram
 from engram_train.checkpoint.manifest import rank_world
 from engram_train.runtime.optimizer_chain import CHAIN_BY_ROLE

@@ -6,8 +6,8 @@ hash constants as exact int64 tensors, ``engram_config.json``, the tokenizer, an
 under megatron's keys. `engram_train.inference.EngramMemory` reads it.
 """
 
-from engram_train.export.cli import main
-from engram_train.export.errors import ExportError
+from engram_train.export.export_cli import main
+from engram_train.export.export_errors import ExportError
 from engram_train.export.exporter import export_checkpoint
 from engram_train.export.format import (
     FORMAT_VERSION,

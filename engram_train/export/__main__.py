@@ -1,5 +1,5 @@
 """python -m engram_train.export: same as the engram-export console script."""
 
-from engram_train.export.cli import main
+from engram_train.export.export_cli import main
 
 main()

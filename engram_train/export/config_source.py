@@ -20,7 +20,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from engram_train.config import EngramConfig, resolve
 from engram_train.errors import ConfigError
-from engram_train.export.errors import ExportError
+from engram_train.export.export_errors import ExportError
 from engram_train.training.run_identity import (
     ENGRAM_DERIVED,
     engram_identity,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from engram_train.engram.variant import engram_branch_class
 from engram_train.engram.reference_io import reference_name
 from engram_train.export.checkpoint_reader import DistCheckpointReader
-from engram_train.export.errors import ExportError
+from engram_train.export.export_errors import ExportError
 from engram_train.export.format import ENGRAM_KEY, OFFSETS
 
 

@@ -8,7 +8,7 @@ import sys
 
 from engram_train.errors import EngramError
 from engram_train.export.config_source import read_config_file
-from engram_train.export.errors import ExportError
+from engram_train.export.export_errors import ExportError
 from engram_train.export.exporter import DEFAULT_SHARD_BYTES, TABLE_DTYPES
 from engram_train.export.publish import FORMATS, MARKER, verify_export
 

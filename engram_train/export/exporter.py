@@ -56,7 +56,7 @@ from engram_train.export.config_source import (  # noqa: F401  (part of this mod
     find_run_config,
 )
 from engram_train.export.engram_tensors import check_engram_tensors
-from engram_train.export.errors import ExportError
+from engram_train.export.export_errors import ExportError
 from engram_train.export.publish import check_out, publish, stderr_log
 from engram_train.export.locate import resolve_checkpoint, verify_files
 from engram_train.export.safetensors_io import DTYPE_NAMES, SafetensorsWriter, TensorSpec, shard_groups

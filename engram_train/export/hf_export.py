@@ -26,7 +26,7 @@ from engram_train.data import load_tokenizer
 from engram_train.engram.compressed_tokenizer import TokenizerNotFoundError, resolve_tokenizer_file
 from engram_train.export.checkpoint_reader import DistCheckpointReader, StoredTensor
 from engram_train.export.config_source import find_run_config
-from engram_train.export.errors import ExportError
+from engram_train.export.export_errors import ExportError
 from engram_train.export.exporter import plan_export
 from engram_train.export.locate import resolve_checkpoint, verify_files
 from engram_train.export.publish import check_out, publish, stderr_log

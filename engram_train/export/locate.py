@@ -7,7 +7,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from engram_train.checkpoint.errors import DamagedCheckpointError
+from engram_train.checkpoint.checkpoint_errors import DamagedCheckpointError
 from engram_train.checkpoint.layout import (
     MANIFEST,
     TRACKER,
@@ -18,7 +18,7 @@ from engram_train.checkpoint.layout import (
 )
 from engram_train.checkpoint.manifest import check_checkpoint, read_manifest
 from engram_train.export.checkpoint_reader import MEGATRON_METADATA
-from engram_train.export.errors import ExportError
+from engram_train.export.export_errors import ExportError
 
 
 def resolve_checkpoint(load: str | os.PathLike, iteration: int | None = None

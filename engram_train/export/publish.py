@@ -28,7 +28,7 @@ from pathlib import Path
 
 from engram_train.checkpoint.layout import MANIFEST, TRACKER, fsync_dir
 from engram_train.checkpoint.lock import process_alive
-from engram_train.export.errors import ExportError
+from engram_train.export.export_errors import ExportError
 
 # Written into every export: what --force may replace.
 MARKER = ".engram-export.json"

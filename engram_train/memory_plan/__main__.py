@@ -1,3 +1,3 @@
-from engram_train.memory_plan.cli import main
+from engram_train.memory_plan.plan_cli import main
 
 main()

@@ -1,3 +1,3 @@
-from engram_train.sweep.cli import main
+from engram_train.sweep.sweep_cli import main
 
 main()

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig
 
-from engram_train.checkpoint.errors import DamagedCheckpointError
+from engram_train.checkpoint.checkpoint_errors import DamagedCheckpointError
 from engram_train.checkpoint.layout import TRACKER, has_checkpoints, iteration_dir, list_checkpoints, read_tracker
 from engram_train.checkpoint.selection import select_checkpoint
 from engram_train.engram.compressed_tokenizer import TokenizerNotFoundError
