@@ -25,7 +25,6 @@ from engram_train.training.run_identity import (
     ENGRAM_DERIVED,
     engram_identity,
     engram_identity_changes,
-    saved_engram_identity,
 )
 
 
@@ -61,7 +60,7 @@ def check_run_identity(manifest: dict | None, engram, mapping, where: str, direc
         raise ExportError(f"{directory} was trained without Engram (its manifest says "
                           f"use_engram=false), but {where} has use_engram=true: there is no "
                           "Engram memory to export")  # fmt: skip
-    changes = engram_identity_changes(saved_engram_identity(run), engram_identity(engram, mapping))
+    changes = engram_identity_changes(run.get("engram") or {}, engram_identity(engram, mapping))
     if not changes:
         return
     lines = []

@@ -152,18 +152,12 @@ def engram_identity(config, mapping) -> dict:
     )
 
 
-def saved_engram_identity(run: Mapping) -> dict:
-    """The Engram identity a manifest's ``run`` records, with the fields an older checkpoint
-    lacks at the value it was saved with (`ENGRAM_FIELD_DEFAULTS`)."""
-    saved = run.get("engram") or {}
-    return {**ENGRAM_FIELD_DEFAULTS, **saved} if saved else {}
-
-
 def engram_identity_changes(saved: Mapping, current: Mapping) -> list[tuple[str, Any, Any]]:
     """(key, saved, current) for every Engram identity entry that differs, reduced to what a
     user changed: a changed ``engram_variant`` alone (every other difference follows from it),
-    else the changed settings and tokenizer without what they derive."""
-    changes = _diff(saved, current)
+    else the changed settings and tokenizer without what they derive. A field an identity
+    lacks (recorded after it was saved) counts at its `ENGRAM_FIELD_DEFAULTS` value."""
+    changes = _diff({**ENGRAM_FIELD_DEFAULTS, **saved}, {**ENGRAM_FIELD_DEFAULTS, **current})
     variant = [c for c in changes if c[0] == "engram_variant"]
     if variant:
         return variant
@@ -260,7 +254,7 @@ def check_run_identity(saved: Mapping | None, current: Mapping, *, load_engram: 
                 "drop Engram and keep the backbone set checkpoint.load_engram=false"
             )
     elif now:
-        changes = engram_identity_changes(saved_engram_identity(saved), current["engram"])
+        changes = engram_identity_changes(saved.get("engram") or {}, current["engram"])
         if changes:
             overrides.append("checkpoint.load_engram=false")
         for key, old, new in changes:
