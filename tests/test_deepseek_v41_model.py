@@ -275,3 +275,40 @@ def test_family_fields_of_both_families():
     assert (config.num_layers, config.num_moe_experts, config.moe_router_topk,
             config.layernorm_epsilon, config.engram_hc_mult) == (7, 4, 2, 1e-20, 4)
     assert config.deepseek_v41.compress_ratios == (0, 2, 2, 2, 1, 1, 1)
+
+
+def test_single_pass_mhc_keeps_the_saved_bytes_rule():
+    """docs/mhc.md's rule for the single-pass variant: a sublayer's mapping and write-back keep X
+    and y in their own dtype, ``(n + 1) h 2`` bytes per token in bf16, plus the float32 ``post``
+    and ``comb`` (``(n + n^2) 4`` bytes); the collapse keeps X and ``pre`` only."""
+    from engram_train.models.deepseek_v41.v41_hyper_connection import (
+        DeepseekV41HyperConnection,
+        collapse,
+        expand,
+    )
+
+    n, h = 4, 256
+    hc = DeepseekV41HyperConnection(h, n)
+
+    def saved_bytes(tokens: int, part: str) -> int:
+        streams = torch.randn(tokens, 1, n, h, dtype=torch.bfloat16, requires_grad=True)
+        output = torch.randn(tokens, 1, h, dtype=torch.bfloat16, requires_grad=True)
+        pre = torch.rand(tokens, 1, n, requires_grad=True)
+        storages = {}
+
+        def pack(t):
+            if not isinstance(t, torch.nn.Parameter):
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            if part == "mapping":
+                expand(output, streams, hc(streams))
+            else:
+                collapse(streams, pre)
+        return sum(storages.values())
+
+    per_token = {part: (saved_bytes(64, part) - saved_bytes(32, part)) // 32
+                 for part in ("mapping", "collapse")}
+    assert per_token == {"mapping": (n + 1) * h * 2 + (n + n * n) * 4,
+                         "collapse": n * h * 2 + n * 4}, per_token

@@ -22,6 +22,11 @@ the first layer, `first_pre`), the MoE sublayer reads its streams with the atten
 ``hc_head``. The write-back is the same: ``X'[k] = post[k] y + sum_j C[j, k] X[j]``; collapse and
 write-back run in float32 and round once to the streams' dtype.
 
+Activation memory: the mapping and the collapse are recomputed in the backward (`recomputed`),
+so a sublayer's mHC keeps the streams X and the sublayer's output y in their own dtype plus the
+float32 coefficients (``(n + 1) h`` elements and ``(2 + n) n`` floats per token): docs/mhc.md's
+saved-bytes rule.
+
 Parameters ``fn [(2+n) n, n h]``, ``base [(2+n) n]``, ``scale [3]`` (float32, the checkpoint's
 names and shapes: ``attn_hc``/``ffn_hc`` of a layer); V4.1 starts at ``fn`` normal(0, std),
 ``base`` 0, ``scale`` 1. Replicated under tensor parallelism.
@@ -69,10 +74,26 @@ def first_pre(streams: torch.Tensor) -> torch.Tensor:
     return pre
 
 
+def _collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    return (pre.unsqueeze(-1) * streams.float()).sum(2).to(streams.dtype)
+
+
 def collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """``sum_j pre[j] X[j]``: ``[s, b, n, h]``, float32 ``[s, b, n]`` -> ``[s, b, h]`` in the
-    streams' dtype."""
-    return (pre.unsqueeze(-1) * streams.float()).sum(2).to(streams.dtype)
+    streams' dtype. Under autograd recomputed in the backward (`recomputed`)."""
+    return recomputed(_collapse, streams, pre)
+
+
+def recomputed(function, *args):
+    """``function(*args)``, its graph rebuilt in the backward from the saved arguments (torch's
+    non-reentrant checkpoint) when autograd records: the forward's operations run twice (the
+    same bits), and the backward keeps the streams in their own dtype, not the float32 copy the
+    reference's arithmetic makes (module docstring, 'Activation memory')."""
+    if not torch.is_grad_enabled():
+        return function(*args)
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint(function, *args, use_reentrant=False)
 
 
 def expand(output: torch.Tensor, streams: torch.Tensor, mix: DeepseekV41Mix) -> torch.Tensor:
@@ -111,6 +132,10 @@ class DeepseekV41HyperConnection(nn.Module):
         n, h = self.num_streams, self.hidden_size
         if streams.ndim != 4 or streams.shape[2:] != (n, h):
             raise InputError(f"the mHC streams are [s, b, {n}, {h}], got {tuple(streams.shape)}.")
+        return DeepseekV41Mix(*recomputed(self._mapping, streams))
+
+    def _mapping(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        n = self.num_streams
         flat = streams.flatten(2).float()  # project, then scale by the inverse RMS
         projected = F.linear(flat, self.fn.float()) * torch.rsqrt(
             flat.square().mean(-1, keepdim=True) + self.norm_eps)
@@ -119,4 +144,4 @@ class DeepseekV41HyperConnection(nn.Module):
         z = torch.addcmul(self.base.float(), projected, scales)
         gates = torch.sigmoid(z[..., : 2 * n])
         comb = sinkhorn(z[..., 2 * n:].unflatten(-1, (n, n)), self.iterations, self.eps)
-        return DeepseekV41Mix(gates[..., :n] + self.eps, 2 * gates[..., n:], comb)
+        return gates[..., :n] + self.eps, 2 * gates[..., n:], comb
