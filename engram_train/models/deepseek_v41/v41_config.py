@@ -6,7 +6,7 @@
 A V4.1 preset (``conf/model/deepseek_v41_*.yaml``) states ``model_family: deepseek_v41``, the
 backbone fields under V4.1's names (``num_hidden_layers``, ``moe_intermediate_size``,
 ``n_routed_experts``, ``rms_norm_eps``, ...: the fields of `DeepseekV41BackboneArgs`) and the
-Engram fields under the project's names (``engram.variants`` maps them onto V4.1's). The
+Engram fields under the project's names (``engram.variant`` maps them onto V4.1's). The
 megatron fields the rest of the project reads (``num_layers``, ``num_moe_experts``,
 ``layernorm_epsilon``, ...) are derived from V4.1's (`megatron_fields`); a megatron field the
 preset gives itself is refused, so each size has one name.
