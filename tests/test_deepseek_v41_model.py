@@ -312,3 +312,14 @@ def test_single_pass_mhc_keeps_the_saved_bytes_rule():
                  for part in ("mapping", "collapse")}
     assert per_token == {"mapping": (n + 1) * h * 2 + (n + n * n) * 4,
                          "collapse": n * h * 2 + n * 4}, per_token
+
+
+def test_engram_plan_refuses_v41_in_one_line():
+    from test_presets import _cfg
+
+    from engram_train.memory_plan.plan_cli import PlanError, make_plan
+
+    cfg = _cfg(["model=deepseek_v41_flash", "train.micro_batch_size=1",
+                "train.global_batch_size=64"])
+    with pytest.raises(PlanError, match=r"model_family=deepseek_v41: engram-plan's activation"):
+        make_plan(cfg, 64, 8, vocab_size=129280)

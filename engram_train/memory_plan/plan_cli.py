@@ -50,6 +50,14 @@ def make_plan(cfg, world: int, nproc_per_node: int, vocab_size: int | None = Non
     from engram_train.training.run_config import padded_vocab_size, validate_run_config
 
     config = validate_run_config(cfg, world, check_data=False)
+    from engram_train.config.family import DEEPSEEK_V3, model_family
+
+    if model_family(config) != DEEPSEEK_V3:
+        raise PlanError(
+            f"model_family={model_family(config)}: engram-plan's activation model is "
+            "DeepSeek-V3's (MLA, megatron's MoE) and has no V4.1 layers yet; count the "
+            "parameters with python -m engram_train.training.param_count "
+            "(docs/deepseek-v41.md 'The model')")
     if vocab_size is None:
         from engram_train.data import load_tokenizer
 
