@@ -120,7 +120,11 @@ class DeepseekV41GPTModel(LanguageModule):
         if isinstance(engram_hash_ids, dict):
             ids = engram_hash_ids[layer.layer_id]
         else:
-            ids = engram_hash_ids[list(self.config.engram_layer_ids).index(layer.layer_id)]
+            layer_ids = list(self.config.engram_layer_ids)
+            if len(engram_hash_ids) != len(layer_ids):  # a token-mask slice: not supported yet
+                raise InputError(f"the hash block has {len(engram_hash_ids)} slices for "
+                                 f"engram_layer_ids={layer_ids}: one per Engram layer.")
+            ids = engram_hash_ids[layer_ids.index(layer.layer_id)]
         return torch.as_tensor(ids, device=self.output_layer.weight.device).transpose(0, 1)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
@@ -128,7 +132,10 @@ class DeepseekV41GPTModel(LanguageModule):
                 engram_hash_ids=None, **unused) -> torch.Tensor:
         """``input_ids [b, s]`` -> logits ``[b, s, vocab / tp]`` float32, or with `labels`
         ``[b, s]`` the per-token loss ``[b, s]`` (megatron's ``GPTModel`` contract)."""
-        del position_ids, attention_mask, unused
+        del position_ids, attention_mask
+        given = sorted(k for k, v in unused.items() if v is not None)
+        if given:  # e.g. engram_token_mask: dead tokens are not supported by this model yet
+            raise InputError(f"DeepseekV41GPTModel.forward does not take {given} yet.")
         x = self.embedding(input_ids=input_ids, position_ids=None)  # [s, b, h]
         n = self.args.hc_mult
         streams = x.unsqueeze(2).expand(-1, -1, n, -1)
