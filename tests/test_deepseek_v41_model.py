@@ -251,6 +251,7 @@ def test_trainer_runs_the_tiny_preset_with_a_falling_loss(tmp_path):
     (["+model.enable_hyper_connections=true"], 1, r"V4.1 has its own single-pass mHC"),
     (["model.model_family=deepseek_v5"], 1, r"model_family='deepseek_v5' is not a model family"),
     (["model.compress_ratios=[0,2,2,2,1,1]"], 1, r"compress_ratios has 6 entries"),
+    (["data.reset_position_ids=true"], 1, r"reset_position_ids=true with model_family=deepseek"),
 ])
 def test_what_the_v41_config_refuses(overrides, world, match):
     from test_presets import _cfg

@@ -190,6 +190,10 @@ def _check_model_family_layout(cfg, p: ParallelSizes) -> None:
         wider.append(f"model.engram_embedding_parallel_size={p.engram_embedding}")
     if cfg.system.recompute_granularity is not None:
         wider.append(f"system.recompute_granularity={cfg.system.recompute_granularity}")
+    if cfg.data.reset_position_ids:
+        raise ConfigError(
+            "data.reset_position_ids=true with model_family=deepseek_v41: its positions are the "
+            "token's index in the row (the window and CSA2 give its mask); set it to false")
     if wider:
         raise ConfigError(
             f"{', '.join(wider)} with model_family=deepseek_v41: V4.1 trains data-parallel only "

@@ -17,7 +17,7 @@ module. The layers are `v41_layer.DeepseekV41Layer` (exact against NeMo Automode
 
 Positions are the token's index in its row (V4.1's attention is causal by construction; the
 sliding window and CSA2 give its mask): ``position_ids`` and megatron's ``attention_mask`` are
-accepted and not read, so ``data.reset_position_ids``/``reset_attention_mask`` have no effect.
+accepted and not read (``data.reset_position_ids=true`` is refused for V4.1 by the run config).
 
 One process for now (tensor, pipeline, expert and context parallelism are refused when the run
 config is checked, ``training/run_config.py``): the CSA2 state does not cross pipeline stages
