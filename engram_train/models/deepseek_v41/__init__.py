@@ -10,10 +10,13 @@ on two layers (``engram.v41_engram_module``).
   quantization of the released KV caches;
 - ``v41_csa``: the compressor, the indexer and candidate blocks, the state handed between layers;
 - ``v41_attention``, ``v41_moe``, ``v41_hyper_connection``: the sublayers and the mHC variant;
-- ``v41_layer``: one layer in plain torch, the order the megatron layer spec will follow.
+- ``v41_layer``: one layer in plain torch (streams, float32 ``pre`` and CSA2 state in and out);
+- ``v41_config``: a V4.1 preset as the project's megatron config (``DeepseekV41ModelConfig``);
+- ``v41_model``: the megatron-core language model the builder builds for
+  ``model_family: deepseek_v41`` (``DeepseekV41GPTModel``).
 
 Tensors are sequence-first (``[s, b, h]``; streams ``[s, b, n, h]``), as megatron's. Each block
 is checked against NeMo Automodel 0.7.0's ``deepseek_v41`` in float32 on the CPU
-(tests/test_deepseek_v41_blocks.py, docs/deepseek-v41.md). Not yet wired into the builder, the
-config or the specs.
+(tests/test_deepseek_v41_blocks.py), the model against its ``DeepseekV41ForCausalLM``
+(tests/test_deepseek_v41_model.py; docs/deepseek-v41.md).
 """

@@ -12,8 +12,8 @@ applies its final RMSNorm. Per layer::
     f     = ffn_hc(X);   X = expand(ffn(ffn_norm(collapse(X, a.pre))), X, f)
     pre   = f.pre
 
-The megatron layer spec (later) wraps this order; here it is the reference the blocks are
-checked against as a stack (tests/test_deepseek_v41_blocks.py).
+`v41_model.DeepseekV41GPTModel` runs these layers, handing each the previous one's outputs;
+the blocks are checked against NeMo as a stack (tests/test_deepseek_v41_blocks.py).
 """
 
 from __future__ import annotations
