@@ -15,6 +15,8 @@ import math
 import torch
 from torch import nn
 
+from engram_train.errors import ConfigError, InputError
+
 GATE_NORM_EPS = torch.finfo(torch.float32).eps  # key/query RMSNorms, as the reference
 CONV_NORM_EPS = 1e-5  # ShortConv's RMSNorms
 GATE_SCORE_FLOOR = 1e-6
@@ -65,14 +67,14 @@ class ShortConv(nn.Module):
             y = nn.functional.pad(normed.permute(1, 2, 0), (self.left_pad, 0))  # [B, G*d, pad+S]
         else:
             if left_context.shape != (self.left_pad, *x.shape[1:]):
-                raise ValueError(f"left_context {tuple(left_context.shape)} must be "
+                raise InputError(f"left_context {tuple(left_context.shape)} must be "
                                  f"[{self.left_pad}, B, G, d] for x {tuple(x.shape)}")
             y = self.normalize(torch.cat([left_context, x])).permute(1, 2, 0)
         if document_distance is None:
             y = self.conv(y)
         else:
             if document_distance.shape != (seq, batch):
-                raise ValueError(f"document_distance {tuple(document_distance.shape)} must be "
+                raise InputError(f"document_distance {tuple(document_distance.shape)} must be "
                                  f"[S, B] = [{seq}, {batch}]")
             y = self._conv_within_documents(y, document_distance)
         y = nn.functional.silu(y)
@@ -131,7 +133,7 @@ class Engram(nn.Module):
         super().__init__()
         layer_ids = list(config.engram_layer_ids)
         if layer_id not in layer_ids:
-            raise ValueError(
+            raise ConfigError(
                 f"layer_id={layer_id} is not in engram_layer_ids={layer_ids}: add it there (the "
                 "table sizes depend on the whole list) or do not build Engram for this layer."
             )
@@ -156,7 +158,7 @@ class Engram(nn.Module):
         self.short_conv = ShortConv(d, g, config.engram_kernel_size, self.max_ngram_size,
                                     **factory)
         self.zero_init_conv = zero_init_conv
-        self.value_init = getattr(config, "engram_value_init", "normal")
+        self.value_init = config.engram_value_init
         self.reset_parameters(include_table=False)  # the table initialized itself
         if table is None:
             from engram_train.engram.tables import mark_engram_param
@@ -173,7 +175,7 @@ class Engram(nn.Module):
 
         head_sizes = engram_head_vocab_sizes(
             config.engram_vocab_size, self.max_ngram_size, n_heads, layer_ids,
-            one_row=getattr(config, "engram_one_row_per_head", False),
+            one_row=config.engram_one_row_per_head,
         )[self.layer_id]
         return MultiHeadEmbedding(
             [p for order in head_sizes for p in order],
@@ -245,12 +247,12 @@ class Engram(nn.Module):
         ``document_distance`` [S, B] (``engram_reset_at_eos``): the conv's look-back stops at
         each position's document start (`ShortConv.forward`), the halo's rows included."""
         if (hash_ids is None) == (memory is None):
-            raise ValueError("Engram.forward needs exactly one of hash_ids or memory.")
+            raise InputError("Engram.forward needs exactly one of hash_ids or memory.")
         if memory is None:
             memory = self.lookup(hash_ids)
         hidden = self._streams(hidden_states)
         if memory.shape != (*hidden.shape[:2], self.memory_dim):
-            raise ValueError(
+            raise InputError(
                 f"memory shape {tuple(memory.shape)} does not match hidden {tuple(hidden.shape)}:"
                 f" expected [S, B, {self.memory_dim}] (sequence first)."
             )
@@ -292,7 +294,7 @@ class Engram(nn.Module):
             or (hidden_states.ndim == 4 and hidden_states.shape[2] == self.hc_mult)
         )
         if not ok:
-            raise ValueError(
+            raise InputError(
                 f"hidden_states shape {tuple(hidden_states.shape)} does not match {expected} "
                 f"with d={self.hidden_size} (engram_hc_mult={self.hc_mult}, sequence first)."
             )

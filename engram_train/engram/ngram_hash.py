@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from engram_train.errors import ConfigError, InputError
 from engram_train.engram.compressed_tokenizer import CompressedTokenizer, check_raw_ids
 
 _INT64_MAX = np.iinfo(np.int64).max
@@ -160,7 +161,7 @@ class NgramHashMapping:
         num_threads: int = 1,
     ) -> None:
         if num_threads < 1:
-            raise ValueError(f"num_threads={num_threads} must be >= 1.")
+            raise InputError(f"num_threads={num_threads} must be >= 1.")
         self.num_threads = int(num_threads)
         if tokenizer is None:
             tokenizer = CompressedTokenizer(config.engram_tokenizer_name_or_path)
@@ -177,7 +178,7 @@ class NgramHashMapping:
 
         raw_pad = int(config.engram_pad_id)
         if not 0 <= raw_pad < self.num_raw_ids:
-            raise ValueError(
+            raise ConfigError(
                 f"engram_pad_id={raw_pad} is outside the tokenizer's range [0, {self.num_raw_ids}):"
                 " set it to a raw id of this tokenizer."
             )
@@ -187,7 +188,7 @@ class NgramHashMapping:
         if config.engram_reset_at_eos:
             eos = config.engram_eos_id
             if eos is None or not 0 <= int(eos) < self.num_raw_ids:
-                raise ValueError(
+                raise ConfigError(
                     f"engram_eos_id={eos} must be a raw id in [0, {self.num_raw_ids}) when "
                     "engram_reset_at_eos=True."
                 )
@@ -198,7 +199,7 @@ class NgramHashMapping:
         )
         self.head_vocab_sizes = engram_head_vocab_sizes(
             config.engram_vocab_size, self.max_ngram_size, self.n_head_per_ngram, self.layer_ids,
-            one_row=getattr(config, "engram_one_row_per_head", False),
+            one_row=config.engram_one_row_per_head,
         )
         self.primes = {
             layer: np.array([p for heads in orders for p in heads], dtype=np.int64)
@@ -267,7 +268,7 @@ class NgramHashMapping:
         device = None if as_numpy else input_ids.device
         ids = np.asarray(input_ids) if as_numpy else input_ids.detach().cpu().numpy()
         if ids.ndim not in (1, 2):
-            raise ValueError(f"input_ids must be [B, T] or [T], got shape {tuple(ids.shape)}.")
+            raise InputError(f"input_ids must be [B, T] or [T], got shape {tuple(ids.shape)}.")
         squeeze = ids.ndim == 1
         ids = ids.reshape(1, -1) if squeeze else ids
         check_raw_ids(ids, self.num_raw_ids)
