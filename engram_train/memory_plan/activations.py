@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engram_train.memory_plan import v41_plan
 from engram_train.memory_plan.plan_layout import Layout
 
 
@@ -175,9 +176,15 @@ def stage_activations(config, layout: Layout, stage: int, layers: list[int], a: 
     the loss on the last stage, the embedding output on the first."""
     w = widths(config, layout)
     t = layout.tokens
-    kinds = layer_kinds(config)
-    per_layer = [layer_per_token(config, w, a, i, kinds[i]) for i in layers]
+    v41 = v41_plan.is_v41(config)
+    if v41:
+        per_layer = [v41_plan.layer_per_token(config, layout, a, i) for i in layers]
+    else:
+        kinds = layer_kinds(config)
+        per_layer = [layer_per_token(config, w, a, i, kinds[i]) for i in layers]
     n = config.num_residual_streams if config.enable_hyper_connections else 1
+    if v41:
+        n = config.deepseek_v41.hc_mult
     full = config.recompute_granularity == "full"
     chunks, _ = in_flight_chunks(stage, layout)
     per_chunk = (layout.vpp or 1)
@@ -188,22 +195,34 @@ def stage_activations(config, layout: Layout, stage: int, layers: list[int], a: 
         for parts in per_layer:
             for part, b in parts.items():
                 items[part] = items.get(part, 0) + t * b
-        scores = attention_scores_per_layer(config, layout, a, device)
+        scores = _scores(config, layout, a, device, layers)
         if scores:
-            items["attention_scores (unfused)"] = scores * len(layers)
+            items["attention_scores (unfused)"] = scores
     # micro-batches (or model chunks) in flight on this stage
     scale = chunks / per_chunk if layout.vpp else chunks
     items = {k: int(v * scale) for k, v in items.items()}
     one_layer = max((sum(p.values()) for p in per_layer), default=0) * t
     items["backward_working_set"] = one_layer * (2 if full else 1)
-    scores = attention_scores_per_layer(config, layout, a, device)
+    if v41:
+        items["backward_working_set"] += max((v41_plan.indexer_transient(config, layout, i) for i in layers), default=0)
+    scores = 0 if v41 else attention_scores_per_layer(config, layout, a, device)
     if scores:  # one layer's float32 score transients (plus its saved ones under full recompute)
         items["attention_score_transients"] = int(scores * (SCORE_TRANSIENTS + (1 if full else 0)))
     if stage == 0:
         items["embedding_output"] = t * a * n * w.h * chunks
     if stage == layout.pp - 1:
-        items["logits_and_loss"] = t * (vocab // layout.tp) * (a + 4 + 4)
+        entry = v41_plan.logits_bytes_per_entry(a) if v41 else a + 4 + 4
+        items["logits_and_loss"] = t * (vocab // layout.tp) * entry
     return items
+
+
+def _scores(config, layout: Layout, a: int, device: str, layers: list[int]) -> int:
+    """Unfused attention scores the stage's layers keep (the CPU's attention only)."""
+    if not v41_plan.is_v41(config):
+        return attention_scores_per_layer(config, layout, a, device) * len(layers)
+    if device != "cpu":
+        return 0
+    return sum(v41_plan.cpu_scores_per_layer(config, layout, i) for i in layers)
 
 
 def prefetch_bytes(config, layout: Layout) -> int:

@@ -14,6 +14,9 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+import torch
+
+from engram_train.memory_plan import v41_plan
 from engram_train.memory_plan.plan_layout import Layout
 
 # Parameter categories, by how a rank holds them: "dense" parameters are in megatron's DDP and
@@ -54,7 +57,9 @@ def category(name: str, param) -> str:
     return "norms"
 
 
-def _divisor(cat: str, name: str, layout: Layout) -> int:
+def _divisor(cat: str, name: str, layout: Layout, v41: bool = False) -> int:
+    if v41 and cat in ("attention", "shared_experts"):
+        return layout.tp if v41_plan.tp_split(name) else 1
     if cat == "routed_experts":
         return layout.ep * layout.etp
     if cat == "engram_tables":
@@ -79,6 +84,8 @@ class StageParams:
     stage: int
     params: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     table_rows: int = 0  # table rows of this rank (all its Engram layers)
+    frozen: int = 0  # of the dense parameters: without a gradient (no grad buffer, no optimizer)
+    fp32_kept: int = 0  # of the dense parameters: kept float32 under bf16 (V4.1's mHC, sinks, ...)
     largest: int = 0  # the largest single parameter shard (the optimizer steps one at a time)
 
     def group(self, name: str) -> int:
@@ -89,19 +96,20 @@ def stage_params(model, config, layout: Layout) -> list[StageParams]:
     """``StageParams`` of every pipeline stage (each rank of a stage holds the same amounts)."""
     stages = [StageParams(s) for s in range(layout.pp)]
     seen: set[int] = set()
+    v41 = v41_plan.is_v41(config)
     for name, param in model.named_parameters():
         if id(param) in seen:
             continue
         seen.add(id(param))
-        cat = category(name, param)
-        match = _LAYER.match(name)
+        cat = v41_plan.category(name, param) if v41 else category(name, param)
+        match = (v41_plan.LAYER if v41 else _LAYER).match(name)
         if match:
             where = [stage_of_layer(int(match.group(1)), config.num_layers, layout)]
         elif cat == "embedding":
             where = [0]
         else:  # output layer, final norm, mHC head
             where = [layout.pp - 1]
-        div = _divisor(cat, name, layout)
+        div = _divisor(cat, name, layout, v41)
         if cat == "engram_tables":
             rows = -(-param.shape[0] // div)
             n = rows * param.shape[1]
@@ -113,6 +121,10 @@ def stage_params(model, config, layout: Layout) -> list[StageParams]:
                 stages[s].largest = max(stages[s].largest, n)
             if cat == "engram_tables":
                 stages[s].table_rows += rows
+            elif not param.requires_grad:
+                stages[s].frozen += n
+            if v41 and cat != "engram_tables" and param.dtype == torch.float32:
+                stages[s].fp32_kept += n
     return stages
 
 
@@ -123,10 +135,13 @@ def weight_bytes(sp: StageParams, precision: str, table_dtype: str) -> dict[str,
     """Weights of one rank by dtype: the model in ``system.precision``, the tables in
     ``model.engram_table_dtype`` (counted with the tables, engram_tables.py)."""
     n = sp.group("dense") + sp.group("expert")
-    return {f"weights_{precision}": n * DTYPE_BYTES[precision]}
+    if precision == "fp32" or not sp.fp32_kept:
+        return {f"weights_{precision}": n * DTYPE_BYTES[precision]}
+    return {f"weights_{precision}": (n - sp.fp32_kept) * DTYPE_BYTES[precision],
+            "weights_fp32_kept": sp.fp32_kept * 4}
 
 
 def grad_buffer_bytes(sp: StageParams) -> int:
     """megatron DDP's gradient buffer: float32 for every dense and expert parameter
     (``grad_reduce_in_fp32``); the tables' gradients are rows (engram_tables.py)."""
-    return 4 * (sp.group("dense") + sp.group("expert"))
+    return 4 * (sp.group("dense") + sp.group("expert") - sp.frozen)

@@ -16,7 +16,7 @@ from engram_train.memory_plan.model_bytes import StageParams
 
 def optimizer_state_bytes(sp: StageParams, layout: Layout, precision: str) -> dict[str, int]:
     per_param = 8 + (4 if precision != "fp32" else 0)
-    dense, expert = sp.group("dense"), sp.group("expert")
+    dense, expert = sp.group("dense") - sp.frozen, sp.group("expert")
     if layout.distributed_optimizer:
         dense = -(-dense // (layout.dp * layout.cp))
         expert = -(-expert // layout.expert_dp)

@@ -40,38 +40,62 @@ def parse_bytes(text: str, flag: str) -> int:
 
 def make_plan(cfg, world: int, nproc_per_node: int, vocab_size: int | None = None,
               device: str = "cpu", device_memory: int | None = None, host_memory: int | None = None,
-              cpu_baseline: int | None = None, model=None):
+              cpu_baseline: int | None = None, model=None, cache: dict | None = None):
     """The plan of ``cfg`` on ``world`` ranks. torch.distributed must be set up for one process
     (the model is built on the meta device as one rank). ``model``: a meta model of the same
-    model config built before (it does not depend on the layout: layout searches reuse it)."""
+    model config built before (it does not depend on the layout: layout searches reuse it);
+    ``cache``: a dict a search passes to every call, to keep the meta model (and V4.1's
+    validated config) between layouts."""
     from engram_train.memory_plan.plan_layout import layout_of
     from engram_train.memory_plan.model_bytes import stage_of_layer, stage_params
     from engram_train.memory_plan.plan_report import Plan, plan_stage
     from engram_train.training.run_config import padded_vocab_size, validate_run_config
 
-    config = validate_run_config(cfg, world, check_data=False)
-    from engram_train.config.family import DEEPSEEK_V3, model_family
+    from engram_train.config.family import DEEPSEEK_V41, preset_family
+    from engram_train.memory_plan import v41_plan
 
-    if model_family(config) != DEEPSEEK_V3:
-        raise PlanError(
-            f"model_family={model_family(config)}: engram-plan's activation model is "
-            "DeepSeek-V3's (MLA, megatron's MoE) and has no V4.1 layers yet; count the "
-            "parameters with python -m engram_train.training.param_count "
-            "(docs/deepseek-v41.md 'The model')")
+    v41 = preset_family(cfg.model) == DEEPSEEK_V41
+    cache = {} if cache is None else cache
+    if v41:  # the layout the trainer refuses for now, planned
+        config, notes = _validated_v41(cfg, world, cache)
+    else:
+        config, notes = validate_run_config(cfg, world, check_data=False), []
     if vocab_size is None:
         from engram_train.data import load_tokenizer
 
         vocab_size = load_tokenizer(cfg.data.tokenizer).vocab_size
-    padded = padded_vocab_size(vocab_size, config.tensor_model_parallel_size)
+    padded = padded_vocab_size(vocab_size, int(cfg.system.tensor_model_parallel_size))
     layout = layout_of(cfg, config, world, nproc_per_node)
+    if v41:  # the sizes of cfg, not of the validated copy
+        layout = v41_plan.layout_sizes(cfg, config, layout)
+    model = cache.setdefault("model", model)
     if model is None:
-        model = meta_model(config, padded, int(cfg.train.seq_length))
+        model = cache["model"] = meta_model(config, padded, int(cfg.train.seq_length))
+    if v41:
+        config = v41_plan.with_recompute(cfg, config)
     ranks = []
     for sp in stage_params(model, config, layout):
         layers = [i for i in range(config.num_layers) if stage_of_layer(i, config.num_layers, layout) == sp.stage]
         ranks.append(plan_stage(config, layout, sp, layers, cfg.system.precision, padded, device,
                                 bool(cfg.checkpoint.save), cpu_baseline))
-    return Plan(layout, device, device_memory, host_memory, ranks)
+    return Plan(layout, device, device_memory, host_memory, ranks, notes=notes)
+
+
+def _validated_v41(cfg, world: int, cache: dict):
+    """V4.1's config, validated with its layout sizes at 1 (``v41_plan.validation_cfg``; once
+    per search, kept in ``cache``), and the layout's own checks; the notes of the report."""
+    from engram_train.memory_plan import v41_plan
+    from engram_train.training.run_config import validate_run_config
+
+    config = cache.get("v41_config")
+    if config is None:
+        s = cfg.system
+        dp = world // (int(s.tensor_model_parallel_size) * int(s.pipeline_model_parallel_size)
+                       * int(s.context_parallel_size or 1))
+        config = validate_run_config(v41_plan.validation_cfg(cfg), max(dp, 1), check_data=False)
+        cache["v41_config"] = config
+    wider = v41_plan.check_layout(cfg, config, world)
+    return config, ([f"{', '.join(wider)}: {v41_plan.NOT_TRAINABLE_YET}"] if wider else [])
 
 
 def meta_model(config, padded_vocab: int, seq_length: int):
@@ -106,6 +130,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="tokenizer vocabulary size (default: read data.tokenizer)")
     parser.add_argument("--cpu-baseline", default=None,
                         help="measured fixed bytes of a CPU rank (default: fixed.CPU_PROCESS_BYTES)")
+    parser.add_argument("--search-nodes", default=None, metavar="N",
+                        help="find the smallest node count <= N at which the run fits, deriving "
+                        "the parallel sizes the config leaves at 1 (docs/memory.md); replaces --nnodes")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for engram-train")
     args = parser.parse_intermixed_args(argv)
@@ -131,6 +158,7 @@ def _plan_from_args(args):
     for flag in ("nproc_per_node", "nnodes"):
         if getattr(args, flag) < 1:
             raise PlanError(f"--{flag.replace('_', '-')}={getattr(args, flag)} must be >= 1")
+    search = _search_nodes_arg(args)
     device_memory = parse_bytes(args.device_memory, "--device-memory") if args.device_memory else None
     host_memory = parse_bytes(args.host_memory, "--host-memory") if args.host_memory else _default_host_memory()
     baseline = parse_bytes(args.cpu_baseline, "--cpu-baseline") if args.cpu_baseline else None
@@ -148,6 +176,8 @@ def _plan_from_args(args):
     os.environ["WORLD_SIZE"], os.environ["RANK"] = "1", "0"
     initialize_distributed(ParallelSizes())
     try:
+        if search:
+            return _search(cfg, search, args, device, device_memory, host_memory, baseline)
         return make_plan(cfg, world, args.nproc_per_node, args.vocab_size, device, device_memory,
                          host_memory, baseline)
     except ConfigError as e:
@@ -159,3 +189,41 @@ def _plan_from_args(args):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def _search_nodes_arg(args) -> int | None:
+    if args.search_nodes is None:
+        return None
+    text = str(args.search_nodes)
+    if not text.isdigit() or int(text) < 1:
+        raise PlanError(f"--search-nodes={text!r} must be a whole number of nodes >= 1")
+    if args.nnodes != 1:
+        raise PlanError(f"--search-nodes={text} and --nnodes={args.nnodes}: give one of them "
+                        "(--search-nodes chooses the node count)")
+    return int(text)
+
+
+def _search(cfg, max_nodes: int, args, device, device_memory, host_memory, baseline):
+    """``--search-nodes``: plans layouts at 1..``max_nodes`` nodes (``node_search.py``)."""
+    from engram_train.memory_plan.node_search import search_nodes
+    from engram_train.training.run_config import backbone_model
+
+    cache: dict = {}
+    vocab = args.vocab_size
+    if vocab is None:
+        from engram_train.data import load_tokenizer
+
+        vocab = load_tokenizer(cfg.data.tokenizer).vocab_size
+
+    def plan_at(layout_cfg, world):
+        return make_plan(layout_cfg, world, args.nproc_per_node, vocab, device, device_memory,
+                         host_memory, baseline, cache=cache)
+
+    backbone = backbone_model(cfg)
+    plan = search_nodes(cfg, max_nodes, args.nproc_per_node, plan_at, int(backbone["num_layers"]),
+                        int(backbone["num_moe_experts"] or 0))
+    if plan is None:
+        raise PlanError(f"--search-nodes={max_nodes}: no layout of 1 to {max_nodes} nodes of "
+                        f"{args.nproc_per_node} ranks is valid for this configuration (batch "
+                        "sizes, layer and expert counts)")
+    return plan

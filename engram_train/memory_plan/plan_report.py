@@ -143,6 +143,8 @@ class Plan:
     device_memory: int | None
     host_memory: int | None
     ranks: list[RankPlan]
+    notes: list[str] = field(default_factory=list)
+    search: str | None = None  # how --search-nodes found the node count (node_search.py)
 
     @property
     def device_bytes_per_rank(self) -> int:
@@ -220,7 +222,12 @@ class Plan:
                        "expert_dp": lay.expert_dp, "table_shards": lay.table_shards,
                        "micro_batches": lay.num_micro},
             "breakdown": {f"stage{r.stage}": r.breakdown() for r in self.ranks},
+            "nodes": lay.world // lay.nproc_per_node,
         }
+        if self.notes:
+            out["notes"] = self.notes
+        if self.search:
+            out["search"] = self.search
         if self.device == "cpu":
             out["total_bytes_per_rank"] = self.total_bytes_per_rank
         if not self.fits:
@@ -251,6 +258,9 @@ class Plan:
                          + (f" of {_gib(self.device_memory).strip()}" if self.device_memory else "")
                          + f"; host per node: {_gib(self.host_bytes_per_node).strip()}"
                          + (f" of {_gib(self.host_memory).strip()}" if self.host_memory else ""))
+        if self.search:
+            lines.append(f"nodes: {lay.world // lay.nproc_per_node} ({self.search})")
+        lines.extend(f"note: {note}" for note in self.notes)
         if self.verdict == "yes":
             lines.append(f"fits: yes (with the plan's measured error, +{FIT_MARGIN:.0%})")
         elif self.verdict == "tight":

@@ -1,0 +1,235 @@
+"""DeepSeek-V4.1 in the plan: its parameters by category and rank share, its layer's
+activations, and its layout check (docs/deepseek-v41.md 'Continued training, planned').
+
+Parameters come from ``DeepseekV41GPTModel`` built on the meta device (``layers.{i}.attn.*``,
+``.ffn.experts.*``, ...), with their own dtypes: under bf16 the mHC mappings, the sinks, the
+compressors' projections, the Engram ``wkv`` and the output layer stay float32, and the
+indexer is frozen (no gradient, no optimizer state).
+
+How a rank shares them, as megatron would split V4.1 (the trainer runs V4.1 data-parallel only
+today, ``training/run_config.py``: the plan of a wider layout is the plan of a layout the
+trainer does not run yet, and the report says so): routed experts over EP x expert-TP; the
+query up-projection ``wq_b``, the sinks, ``wo_a`` (per group of heads), ``wo_b``'s input and the
+shared expert over TP; the shared K=V head ``wkv``, the query down-projection, the compressor,
+the indexer, the router, norms and mHC mappings replicated; the tables over the Engram
+embedding-parallel size.
+
+Activations of one layer, bytes per token (``a`` the activation dtype's bytes, ``n`` mHC
+streams, ``h`` hidden as held between layers (``h / TP`` under sequence parallelism), ``H``
+heads / TP, ``d`` head_dim, ``G`` o_groups / TP, ``f`` moe_intermediate_size, ``k`` top-k):
+
+- mHC, per sublayer (single pass, the mapping and collapse recomputed): the streams X and the
+  sublayer output y in ``a`` and the float32 ``pre``, ``post``, ``comb``:
+  ``(n + 1) h a + (2 n + n^2) 4``;
+- attention (fused kernel over the window and the selected compressed keys: no
+  ``[heads, s, keys]`` probabilities kept): norm in/out ``a (h + h_full)``, the query latent
+  and its norm ``2 a q_lora``, the float32 query ``4 H d`` and the float32 K=V ``4 d`` the
+  attention reads, the K=V projection and its norm ``2 a d``, the attention output and
+  ``wo_a``'s output ``a (H d + G o_lora)``, the float32 log-sum-exp ``4 H``; a layer with a
+  compressed branch adds its compressed keys ``4 d / r`` and, where it has a compressor, the
+  compressor's float32 projections ``2 x 4 d`` (``wkv`` and ``wgate``);
+- MoE: norm in/out, the router's float32 logits, scores and probabilities ``3 x 4 E``, per
+  routed copy the dispatched input, its combine and unpermute ``3 a h_full`` and the clamped
+  SwiGLU (gate and up in ``a``, its float32 product and weight, the rounded input of ``w2``)
+  ``(3 a + 12) f / ETP``; the shared expert ``(3 a + 12) f / TP``;
+- Engram (V4.1 branch): the gathered rows in the table dtype and as the float32 input of
+  ``wkv`` (``(t + 4) M``, ``M`` = (N - 1) x the per-order width), the float32 keys and value
+  ``4 (G_e + 1) h_full`` and the gate's float32 normalised keys and gated value
+  ``2 x 4 G_e h_full`` (``G_e`` its streams).
+
+The frozen indexer builds nothing autograd keeps (its output, the selection, is integer);
+while one layer runs it scores ``[b, index heads, s, s / r]`` in float32, counted with the
+backward's working set. On the CPU the project's reference attention is unfused: its float32
+``[b, H, s, s + s / r]`` logits and probabilities are counted (``cpu_scores_per_layer``).
+"""
+
+from __future__ import annotations
+
+import re
+
+from engram_train.config.family import DEEPSEEK_V41, model_family
+
+LAYER = re.compile(r"^layers\.(\d+)\.")
+# Split over TP as megatron would split them (module docstring); the rest of a layer replicated.
+_TP_SPLIT = re.compile(r"\.attn\.(wq_b|wo_a|wo_b|attn_sink)\b|\.ffn\.shared_experts\.")
+
+
+def is_v41(config) -> bool:
+    return model_family(config) == DEEPSEEK_V41
+
+
+def category(name: str, param) -> str:
+    """The plan's category of a V4.1 parameter (``model_bytes.GROUP``)."""
+    if getattr(param, "is_engram_table", False):
+        return "engram_tables"
+    if ".engram." in name:
+        return "engram_branch"
+    if name.startswith("embedding."):
+        return "embedding"
+    if name.startswith("output_layer."):
+        return "output_layer"
+    if ".ffn.experts." in name:
+        return "routed_experts"
+    if ".ffn.shared_experts." in name:
+        return "shared_experts"
+    if ".ffn.gate." in name:
+        return "router"
+    if "_hc." in name:
+        return "mhc"
+    if ".attn." in name:
+        return "attention"
+    return "norms"
+
+
+def tp_split(name: str) -> bool:
+    return bool(_TP_SPLIT.search(name))
+
+
+def _args(config):
+    return config.deepseek_v41
+
+
+def attention_per_token(config, layer: int, h: int, h_full: int, tp: int, a: int) -> int:
+    args = _args(config)
+    heads, d = args.num_attention_heads // tp, args.head_dim
+    groups = max(args.o_groups // tp, 1)
+    out = a * (h + h_full) + 2 * a * args.q_lora_rank + 4 * heads * d + 4 * d + 2 * a * d
+    out += a * (heads * d + groups * args.o_lora_rank) + 4 * heads
+    ratio = args.compress_ratios[layer]
+    if ratio:
+        out += 4 * d // ratio
+        if layer in args.kv_source_layer_ids:
+            out += 2 * 4 * d
+    return out
+
+
+def moe_per_token(config, h: int, h_full: int, tp: int, etp: int, a: int) -> int:
+    args = _args(config)
+    f, k, e = args.moe_intermediate_size, args.num_experts_per_tok, args.n_routed_experts
+    swiglu = 3 * a + 12
+    routed = k * (3 * a * h_full + swiglu * f // etp)
+    shared = args.n_shared_experts * swiglu * f // tp
+    return a * (h + h_full) + 3 * 4 * e + routed + shared
+
+
+def engram_per_token(config, h_full: int) -> int:
+    memory = (config.max_ngram_size - 1) * config.n_embed_per_ngram
+    g = config.engram_hc_mult
+    table = 4 if config.engram_table_dtype == "fp32" else 2
+    return (table + 4) * memory + 4 * (g + 1) * h_full + 2 * 4 * g * h_full
+
+
+def mhc_per_token(config, h: int, a: int) -> int:
+    n = _args(config).hc_mult
+    return 2 * ((n + 1) * h * a + (2 * n + n * n) * 4)
+
+
+def layer_per_token(config, layout, a: int, layer: int) -> dict[str, int]:
+    """Bytes per token of V4.1 layer ``layer`` on one rank, by part."""
+    h_full = config.hidden_size
+    h = h_full // layout.tp if layout.sequence_parallel else h_full
+    parts = {"attention": attention_per_token(config, layer, h, h_full, layout.tp, a),
+             "moe": moe_per_token(config, h, h_full, layout.tp, layout.etp, a),
+             "mhc": mhc_per_token(config, h, a)}
+    if config.use_engram and layer in config.engram_layer_ids:
+        parts["engram"] = engram_per_token(config, h_full)
+    return parts
+
+
+def indexer_transient(config, layout, layer: int) -> int:
+    """The frozen indexer's float32 scores while layer ``layer`` runs (nothing kept)."""
+    args = _args(config)
+    ratio = args.compress_ratios[layer]
+    if not ratio or layer not in args.index_source_layer_ids:
+        return 0
+    s = layout.seq_length // layout.cp
+    heads = max(args.index_n_heads // layout.tp, 1)
+    return layout.micro_batch_size * heads * s * (layout.seq_length // ratio) * 4
+
+
+def cpu_scores_per_layer(config, layout, layer: int) -> int:
+    """The reference attention's float32 logits and probabilities ``[b, H, s, s + s / r]``."""
+    args = _args(config)
+    ratio = args.compress_ratios[layer]
+    keys = layout.seq_length + (layout.seq_length // ratio if ratio else 0)
+    heads = args.num_attention_heads // layout.tp
+    return 2 * layout.micro_batch_size * heads * (layout.seq_length // layout.cp) * keys * 4
+
+
+def logits_bytes_per_entry(a: int) -> int:
+    """The float32 output layer's logits and megatron's cross entropy (two float32 copies)."""
+    return 4 + 4 + 4
+
+
+NOT_TRAINABLE_YET = (
+    "the trainer runs DeepSeek-V4.1 data-parallel only for now (docs/deepseek-v41.md 'The "
+    "model'); this plan is of the layout as megatron would split V4.1")
+
+
+def validation_cfg(cfg):
+    """A copy of ``cfg`` with the sizes the trainer refuses for V4.1 today at 1, so that every
+    other rule of ``validate_run_config`` still runs; the layout itself is checked apart."""
+    from omegaconf import OmegaConf
+
+    plain = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
+    for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                "expert_model_parallel_size", "context_parallel_size"):
+        plain.system[key] = 1
+    plain.system.virtual_pipeline_model_parallel_size = None
+    plain.system.recompute_granularity = None
+    if "engram_embedding_parallel_size" in plain.model:
+        plain.model.engram_embedding_parallel_size = 1
+    return plain
+
+
+def check_layout(cfg, config, world: int) -> list[str]:
+    """The layout rules ``validate_run_config`` skipped for V4.1 (``validation_cfg``); returns
+    the layout's sizes the trainer does not run yet (empty: data-parallel)."""
+    from engram_train.training.run_config import ConfigError, data_parallel_size, parallel_sizes
+
+    p = parallel_sizes(cfg)
+    p.validate(world)
+    dp = data_parallel_size(cfg, world)
+    t = cfg.train
+    if t.global_batch_size % (t.micro_batch_size * dp):
+        raise ConfigError(f"train.global_batch_size={t.global_batch_size} must be divisible by "
+                          f"train.micro_batch_size={t.micro_batch_size} x data-parallel size {dp}")
+    if config.num_layers % p.pipeline:
+        raise ConfigError(f"{config.num_layers} layers are not divisible by "
+                          f"system.pipeline_model_parallel_size={p.pipeline}")
+    if config.num_moe_experts % p.expert:
+        raise ConfigError(f"{config.num_moe_experts} experts are not divisible by "
+                          f"system.expert_model_parallel_size={p.expert}")
+    sizes = {"TP": p.tensor, "PP": p.pipeline, "EP": p.expert, "CP": p.context,
+             "Engram eps": p.engram_embedding}
+    wider = [f"{k} {v}" for k, v in sizes.items() if v > 1]
+    if cfg.system.recompute_granularity is not None:
+        wider.append(f"recompute {cfg.system.recompute_granularity}")
+    return wider
+
+
+def with_recompute(cfg, config):
+    """``config`` with ``cfg``'s recompute granularity (the validated copy has none): a
+    shallow copy, the cached config is shared between layouts."""
+    import copy
+
+    if cfg.system.recompute_granularity == config.recompute_granularity:
+        return config
+    config = copy.copy(config)
+    config.recompute_granularity = cfg.system.recompute_granularity
+    return config
+
+
+def layout_sizes(cfg, config, layout):
+    """``layout`` (made from the validated copy) with the sizes of ``cfg``: the Engram table
+    shards, and the experts' tensor-parallel size (megatron's default: TP)."""
+    from dataclasses import replace
+
+    from engram_train.training.run_config import parallel_sizes
+
+    p = parallel_sizes(cfg)
+    shards = 1
+    if config.use_engram:
+        shards = p.tensor if config.engram_embedding_parallel_method == "allreduce" else p.engram_embedding
+    return replace(layout, table_shards=shards, etp=p.tensor,
+                   expert_dp=layout.world // (p.expert * p.tensor * p.pipeline))
