@@ -177,7 +177,8 @@ def _plan_from_args(args):
     initialize_distributed(ParallelSizes())
     try:
         if search:
-            return _search(cfg, search, args, device, device_memory, host_memory, baseline)
+            return search_plan(cfg, search, args.nproc_per_node, args.vocab_size, device,
+                               device_memory, host_memory, baseline)
         return make_plan(cfg, world, args.nproc_per_node, args.vocab_size, device, device_memory,
                          host_memory, baseline)
     except ConfigError as e:
@@ -203,27 +204,28 @@ def _search_nodes_arg(args) -> int | None:
     return int(text)
 
 
-def _search(cfg, max_nodes: int, args, device, device_memory, host_memory, baseline):
-    """``--search-nodes``: plans layouts at 1..``max_nodes`` nodes (``node_search.py``)."""
+def search_plan(cfg, max_nodes: int, nproc_per_node: int, vocab: int | None, device: str,
+                device_memory: int | None, host_memory: int | None, baseline: int | None = None):
+    """``--search-nodes``: plans layouts at 1..``max_nodes`` nodes (``node_search.py``).
+    torch.distributed must be set up for one process, as for ``make_plan``."""
     from engram_train.memory_plan.node_search import search_nodes
     from engram_train.training.run_config import backbone_model
 
     cache: dict = {}
-    vocab = args.vocab_size
     if vocab is None:
         from engram_train.data import load_tokenizer
 
         vocab = load_tokenizer(cfg.data.tokenizer).vocab_size
 
     def plan_at(layout_cfg, world):
-        return make_plan(layout_cfg, world, args.nproc_per_node, vocab, device, device_memory,
+        return make_plan(layout_cfg, world, nproc_per_node, vocab, device, device_memory,
                          host_memory, baseline, cache=cache)
 
     backbone = backbone_model(cfg)
-    plan = search_nodes(cfg, max_nodes, args.nproc_per_node, plan_at, int(backbone["num_layers"]),
+    plan = search_nodes(cfg, max_nodes, nproc_per_node, plan_at, int(backbone["num_layers"]),
                         int(backbone["num_moe_experts"] or 0))
     if plan is None:
         raise PlanError(f"--search-nodes={max_nodes}: no layout of 1 to {max_nodes} nodes of "
-                        f"{args.nproc_per_node} ranks is valid for this configuration (batch "
+                        f"{nproc_per_node} ranks is valid for this configuration (batch "
                         "sizes, layer and expert counts)")
     return plan

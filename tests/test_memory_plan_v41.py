@@ -1,0 +1,117 @@
+"""engram-plan for DeepSeek-V4.1-Flash (docs/deepseek-v41.md 'Continued training, planned'):
+the acceptance command of the plan, --search-nodes on a smaller model, bad values."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from launch import REPO, run_process
+
+GIB = 1 << 30
+ACCEPTANCE = ("model=deepseek_v41_flash", "system.precision=bf16", "model.engram_table_placement=host",
+              "train.micro_batch_size=1", "train.global_batch_size=512", "train.seq_length=4096",
+              "--search-nodes", "16", "--nproc-per-node", "8", "--device-memory", "141GiB",
+              "--host-memory", "2TiB", "--json")
+# V4.1-Flash's routed experts: 40 layers x 384 experts x 3 x 5120 x 2304
+ROUTED = 40 * 384 * 3 * 5120 * 2304
+
+
+def plan_cli(*argv: str) -> tuple[subprocess.CompletedProcess, float]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    started = time.perf_counter()
+    proc = run_process([sys.executable, "-m", "engram_train.memory_plan", *argv], cwd=REPO,
+                       env=env, capture_output=True, text=True, timeout=300)
+    return proc, time.perf_counter() - started
+
+
+def test_acceptance_command_plans_v41_flash_on_16_h200_nodes():
+    proc, seconds = plan_cli(*ACCEPTANCE)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert seconds < 60, seconds  # a generous bound: the command answers in about 12 s
+    plan = json.loads(proc.stdout)
+    assert 1 <= plan["nodes"] <= 16 and plan["layout"]["world"] == 8 * plan["nodes"]
+    assert isinstance(plan["fits"], bool) and "search" in plan
+    lay = plan["layout"]
+    assert lay["tp"] * lay["pp"] * lay["dp"] == lay["world"] and lay["ep"] > 1 and lay["table_shards"] > 1
+    assert any("data-parallel only" in note for note in plan["notes"])
+    stage0 = plan["breakdown"]["stage0"]["items"]
+    # host tables in the 4-byte configuration: bf16 tables and bf16 first moments on the host
+    assert stage0["engram_tables_bf16"]["memory"] == "host"
+    assert stage0["engram_table_moments"]["memory"] == "host" and "engram_table_master" not in stage0
+    assert stage0["engram_table_moments"]["bytes"] == pytest.approx(
+        stage0["engram_tables_bf16"]["bytes"] * (2 + 4 / 256) / 2, rel=1e-6)
+    for part in ("attention", "moe", "mhc", "engram"):
+        assert stage0[part]["bytes"] > 0, part
+    # docs/deepseek-v41.md: the routed experts alone, 18 bytes per parameter over the 128
+    # ranks at best, with the allocator's 10% and the plan's margin, leave no layout of 16
+    # nodes a "yes": the plan agrees
+    floor = (18 * ROUTED / 128 * 1.10 + 1.6 * GIB) * (1 + plan["fit_margin"])
+    assert floor > 0.9 * 141 * GIB  # 129.4 GiB of 141: 6.5 GiB left for all the rest
+    assert plan["fits"] is False and plan["nodes"] == 16
+
+
+def _search(overrides, max_nodes, device_memory):
+    from engram_train.memory_plan.plan_cli import search_plan
+    from engram_train.training.param_count import compose_config
+
+    cfg = compose_config(list(overrides))
+    return cfg, search_plan(cfg, max_nodes, 8, 129280, "cuda", device_memory, 2 << 40)
+
+
+def test_search_nodes_finds_the_smallest_count_for_a_smaller_model(one_rank):
+    from engram_train.memory_plan.node_search import candidates, with_layout
+    from engram_train.memory_plan.plan_cli import make_plan
+    from engram_train.training.run_config import ConfigError, backbone_model
+
+    overrides = ["model=engram_27b", "system.precision=bf16", "train.micro_batch_size=1",
+                 "train.global_batch_size=1024", "train.seq_length=4096"]
+    cfg, plan = _search(overrides, 16, 80 * GIB)
+    nodes = plan.layout.world // 8
+    assert plan.fits and 1 < nodes < 16, (nodes, plan.search)
+    assert plan.to_json()["nodes"] == nodes and "nodes: " in plan.to_text()
+    # monotonic: no layout of the search fits at one node fewer
+    world = (nodes - 1) * 8
+    backbone = backbone_model(cfg)
+    for c in candidates(cfg, world, 8, backbone["num_layers"], backbone["num_moe_experts"] or 0):
+        try:
+            smaller = make_plan(with_layout(cfg, c), world, 8, 129280, "cuda", 80 * GIB, 2 << 40)
+        except ConfigError:
+            continue
+        assert not smaller.fits, c
+
+
+def test_v41_parameters_by_rank_share(one_rank):
+    """Experts split over EP x TP, the tables over the Engram eps, the indexer frozen."""
+    from engram_train.memory_plan.model_bytes import stage_params
+    from engram_train.memory_plan.plan_cli import make_plan
+    from engram_train.training.param_count import compose_config
+
+    cfg = compose_config(["model=deepseek_v41_flash", "system.precision=bf16",
+                          "system.tensor_model_parallel_size=8", "system.expert_model_parallel_size=8",
+                          "+model.engram_embedding_parallel_size=64", "train.global_batch_size=64"])
+    cache: dict = {}
+    plan = make_plan(cfg, 64, 8, 129280, "cuda", 141 * GIB, 2 << 40, cache=cache)
+    assert plan.layout.etp == 8 and plan.layout.table_shards == 64 and plan.layout.expert_dp == 1
+    sp = stage_params(cache["model"], cache["v41_config"], plan.layout)[0]
+    assert sp.params["routed_experts"] == ROUTED // 64
+    assert sp.params["engram_tables"] == pytest.approx(196_613_849_600 / 64, rel=1e-6)
+    assert sp.frozen > 0 and sp.fp32_kept > 0
+
+
+@pytest.mark.parametrize("argv", [["--search-nodes", "0"], ["--search-nodes=many"],
+                                  ["--search-nodes=-2"], ["--search-nodes", "4", "--nnodes", "2"]])
+def test_bad_search_nodes_is_refused_in_one_line(argv, capsys):
+    from engram_train.memory_plan.plan_cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["model=deepseek_v3_tiny", *argv, "--nproc-per-node", "8", "--device-memory", "141GiB"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 1 and "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "--search-nodes" in lines[0], err
