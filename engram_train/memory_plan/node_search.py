@@ -46,6 +46,8 @@ def candidates(cfg, world: int, nproc_per_node: int, num_layers: int, num_expert
             if world % (tp * pp * cp):
                 continue
             dp = world // (tp * pp * cp)
+            if cfg.train.global_batch_size % (cfg.train.micro_batch_size * dp):
+                continue  # the batch does not split over dp (validate_run_config's rule)
             ep = ep_set if ep_set > 1 or not num_experts else _largest_divisor(num_experts, dp * cp)
             eps = eps_set if eps_set > 1 else world // pp
             out.append({"tp": tp, "pp": pp, "ep": ep, "eps": eps})
@@ -53,9 +55,9 @@ def candidates(cfg, world: int, nproc_per_node: int, num_layers: int, num_expert
     return out
 
 
-def with_layout(cfg, c: dict):
-    """A copy of ``cfg`` with layout ``c``."""
-    new = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
+def with_layout(cfg, c: dict, new=None):
+    """A copy of ``cfg`` with layout ``c`` (``new``: a copy made before, set again in place)."""
+    new = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False)) if new is None else new
     new.system.tensor_model_parallel_size = c["tp"]
     new.system.pipeline_model_parallel_size = c["pp"]
     new.system.expert_model_parallel_size = c["ep"]
@@ -71,13 +73,14 @@ def search_nodes(cfg, max_nodes: int, nproc_per_node: int, plan_at, num_layers: 
     ``plan_at(cfg, world)`` plans one layout (raising ``ConfigError`` for one it refuses)."""
     from engram_train.training.run_config import ConfigError
 
-    tight = best = None
+    tight = best = work = None
     tried = 0
     for nodes in range(1, max_nodes + 1):
         world = nodes * nproc_per_node
         for c in candidates(cfg, world, nproc_per_node, num_layers, num_experts):
             try:
-                plan = plan_at(with_layout(cfg, c), world)
+                work = with_layout(cfg, c, work)
+                plan = plan_at(work, world)
             except ConfigError:
                 continue
             tried += 1
