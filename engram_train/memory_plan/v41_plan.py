@@ -50,6 +50,15 @@ import re
 from engram_train.config.family import DEEPSEEK_V41, model_family
 
 LAYER = re.compile(r"^layers\.(\d+)\.")
+# Under bf16 the V4.1 forward's casts to float32 (the RoPE's complex product, the clamped
+# SwiGLU, the router's input) keep copies that a float32 forward shares with its inputs;
+# bytes per unit, measured with saved-tensor hooks on deepseek_v41_tiny (hidden 64 and 128,
+# moe_intermediate_size 32 and 64: docs/deepseek-v41.md 'Continued training, planned').
+BF16_ATTENTION_HD = 4  # per head x head_dim: the inverse RoPE's float32 input
+BF16_ATTENTION_D = 4  # per head_dim: the K=V RoPE's float32 input
+BF16_COMPRESSED_D = 12  # per head_dim, on a layer with a compressed branch
+BF16_SWIGLU_F = 7  # per intermediate unit of each SwiGLU (routed copy or shared expert)
+BF16_MOE_H = 6  # per hidden unit: the router's float32 input and the combine
 # Split over TP as megatron would split them (module docstring); the rest of a layer replicated.
 _TP_SPLIT = re.compile(r"\.attn\.(wq_b|wo_a|wo_b|attn_sink)\b|\.ffn\.shared_experts\.")
 
@@ -100,16 +109,19 @@ def attention_per_token(config, layer: int, h: int, h_full: int, tp: int, a: int
         out += 4 * d // ratio
         if layer in args.kv_source_layer_ids:
             out += 2 * 4 * d
+    if a < 4:  # float32 copies a float32 forward does not make (measured, module docstring)
+        out += BF16_ATTENTION_HD * heads * d + BF16_ATTENTION_D * d + (BF16_COMPRESSED_D * d if ratio else 0)
     return out
 
 
 def moe_per_token(config, h: int, h_full: int, tp: int, etp: int, a: int) -> int:
     args = _args(config)
     f, k, e = args.moe_intermediate_size, args.num_experts_per_tok, args.n_routed_experts
-    swiglu = 3 * a + 12
+    swiglu = 3 * a + 12 + (BF16_SWIGLU_F if a < 4 else 0)
     routed = k * (3 * a * h_full + swiglu * f // etp)
     shared = args.n_shared_experts * swiglu * f // tp
-    return a * (h + h_full) + 3 * 4 * e + routed + shared
+    extra = BF16_MOE_H * h_full if a < 4 else 0
+    return a * (h + h_full) + 3 * 4 * e + routed + shared + extra
 
 
 def engram_per_token(config, h_full: int) -> int:
