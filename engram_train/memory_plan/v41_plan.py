@@ -35,7 +35,8 @@ heads / TP, ``d`` head_dim, ``G`` o_groups / TP, ``f`` moe_intermediate_size, ``
 - Engram (V4.1 branch): the gathered rows in the table dtype and as the float32 input of
   ``wkv`` (``(t + 4) M``, ``M`` = (N - 1) x the per-order width), the float32 keys and value
   ``4 (G_e + 1) h_full`` and the gate's float32 normalised keys and gated value
-  ``2 x 4 G_e h_full`` (``G_e`` its streams).
+  ``2 x 4 G_e h_full`` (``G_e`` its streams);
+- under bf16, the float32 copies a float32 forward shares with its inputs (``BF16_*``).
 
 The frozen indexer builds nothing autograd keeps (its output, the selection, is integer);
 while one layer runs it scores ``[b, index heads, s, s / r]`` in float32, counted with the
