@@ -105,7 +105,8 @@ def test_v41_parameters_by_rank_share(one_rank):
 
 
 @pytest.mark.parametrize("argv", [["--search-nodes", "0"], ["--search-nodes=many"],
-                                  ["--search-nodes=-2"], ["--search-nodes", "4", "--nnodes", "2"]])
+                                  ["--search-nodes=-2"], ["--search-nodes", "4", "--nnodes", "2"],
+                                  ["--search-nodes", "2", "train.global_batch_size=3"]])
 def test_bad_search_nodes_is_refused_in_one_line(argv, capsys):
     from engram_train.memory_plan.plan_cli import main
 

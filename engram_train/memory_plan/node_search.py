@@ -70,10 +70,11 @@ def with_layout(cfg, c: dict, new=None):
 def search_nodes(cfg, max_nodes: int, nproc_per_node: int, plan_at, num_layers: int,
                  num_experts: int):
     """The plan at the smallest node count <= ``max_nodes`` that fits (module docstring).
-    ``plan_at(cfg, world)`` plans one layout (raising ``ConfigError`` for one it refuses)."""
+    ``plan_at(cfg, world)`` plans one layout (raising ``ConfigError`` for one it refuses);
+    ``ConfigError`` when no layout is valid."""
     from engram_train.training.run_config import ConfigError
 
-    tight = best = work = None
+    tight = best = work = refused = None
     tried = 0
     for nodes in range(1, max_nodes + 1):
         world = nodes * nproc_per_node
@@ -81,7 +82,8 @@ def search_nodes(cfg, max_nodes: int, nproc_per_node: int, plan_at, num_layers: 
             try:
                 work = with_layout(cfg, c, work)
                 plan = plan_at(work, world)
-            except ConfigError:
+            except ConfigError as e:
+                refused = e
                 continue
             tried += 1
             if plan.verdict == "yes":
@@ -94,7 +96,9 @@ def search_nodes(cfg, max_nodes: int, nproc_per_node: int, plan_at, num_layers: 
                 best = plan
     plan = tight or best
     if plan is None:
-        return None
+        why = refused or ("train.global_batch_size does not split into micro-batches over any "
+                          "of their data-parallel sizes")
+        raise ConfigError(f"no layout of 1 to {max_nodes} nodes of {nproc_per_node} ranks is valid: {why}")
     what = ("the smallest node count at which a layout fits as planned, not with the plan's "
             "margin" if plan is tight else "no node count fits; the layout at the largest count "
             "with the smallest device peak")

@@ -209,7 +209,7 @@ def search_plan(cfg, max_nodes: int, nproc_per_node: int, vocab: int | None, dev
     """``--search-nodes``: plans layouts at 1..``max_nodes`` nodes (``node_search.py``).
     torch.distributed must be set up for one process, as for ``make_plan``."""
     from engram_train.memory_plan.node_search import search_nodes
-    from engram_train.training.run_config import backbone_model
+    from engram_train.training.run_config import ConfigError, backbone_model
 
     cache: dict = {}
     if vocab is None:
@@ -222,10 +222,8 @@ def search_plan(cfg, max_nodes: int, nproc_per_node: int, vocab: int | None, dev
                          host_memory, baseline, cache=cache)
 
     backbone = backbone_model(cfg)
-    plan = search_nodes(cfg, max_nodes, nproc_per_node, plan_at, int(backbone["num_layers"]),
-                        int(backbone["num_moe_experts"] or 0))
-    if plan is None:
-        raise PlanError(f"--search-nodes={max_nodes}: no layout of 1 to {max_nodes} nodes of "
-                        f"{nproc_per_node} ranks is valid for this configuration (batch "
-                        "sizes, layer and expert counts)")
-    return plan
+    try:
+        return search_nodes(cfg, max_nodes, nproc_per_node, plan_at, int(backbone["num_layers"]),
+                            int(backbone["num_moe_experts"] or 0))
+    except ConfigError as e:
+        raise PlanError(f"--search-nodes={max_nodes}: {e}") from None
