@@ -112,6 +112,9 @@ class DeepseekV41BackboneArgs:
     hc_eps: float = 1e-6
     rms_norm_eps: float = 1e-20
     initializer_range: float = 0.02
+    fake_quantize: bool = True
+    """The released caches' FP8/FP4 rounding inside the forward (false: float throughout; a
+    layout comparison's setting, docs/deepseek-v41.md 'Layouts')."""
 
     def __post_init__(self) -> None:
         for name in ("compress_ratios", "kv_source_layer_ids", "index_source_layer_ids"):

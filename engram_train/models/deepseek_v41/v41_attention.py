@@ -140,6 +140,7 @@ class DeepseekV41Attention(nn.Module):
                            if self.role.kv_source else None)
         self.indexer = (DeepseekV41Indexer(args, self.role, **factory)
                         if self.role.index_source else None)
+        self.quantize = bool(args.fake_quantize)
         self.rope_args = args  # frequencies per call: a float buffer would follow a bf16 cast
         self.reset_parameters(std)
 
@@ -169,7 +170,8 @@ class DeepseekV41Attention(nn.Module):
         query_latent = self.q_norm(self.wq_a(x))
         query = apply_rope(self.wq_b(query_latent)[0].unflatten(-1, (self.num_heads, -1)),
                            angles)
-        kv = fake_quantize(apply_rope(self.kv_norm(self.wkv(x)), angles), "fp8", FP8_BLOCK)
+        kv = fake_quantize(apply_rope(self.kv_norm(self.wkv(x)), angles), "fp8", FP8_BLOCK,
+                           self.quantize)
         if self.ratio:
             state = self._compressed_state(x, query_latent, frequencies, angles, state, valid)
         mask = self._mask(s, b, x.device, state, valid)
@@ -189,7 +191,8 @@ class DeepseekV41Attention(nn.Module):
         latent = None
         if self.compressor is not None:
             latent = self.compressor(x)
-            kv = fake_quantize(apply_rope(latent, compressed_angles), "nvfp4", NVFP4_BLOCK)
+            kv = fake_quantize(apply_rope(latent, compressed_angles), "nvfp4", NVFP4_BLOCK,
+                               self.quantize)
             run_valid = None
             if valid is not None:
                 run_valid = valid[: runs * self.ratio].unflatten(0, (runs, self.ratio)).all(1)

@@ -110,6 +110,7 @@ class DeepseekV41Indexer(nn.Module):
         super().__init__()
         self.num_heads, self.head_dim = args.index_n_heads, args.index_head_dim
         self.topk = args.index_topk
+        self.quantize = bool(args.fake_quantize)
         self.owns_keys = role.kv_source
         self.candidate_source, self.uses_candidates = role.candidate_source, role.uses_candidates
         self.topk_blocks, self.block_size = args.candidate_topk_blocks, args.candidate_block_size
@@ -125,13 +126,14 @@ class DeepseekV41Indexer(nn.Module):
     def keys(self, latent: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
         """The index keys ``[t, b, index_head_dim]`` of a full layer's unrotated latent."""
         keys = apply_rope(self.k_norm(self.wk(latent)), angles)
-        return fake_quantize(keys, "mxfp4", FP8_BLOCK)
+        return fake_quantize(keys, "mxfp4", FP8_BLOCK, self.quantize)
 
     def scores(self, hidden, query_latent, keys, angles, state) -> tuple[torch.Tensor, ...]:
         """``[s, b, t]`` float scores (-inf: not visible), each query's visible-key count
         ``[s, 1, 1]`` and the visibility ``[s, b, t]``."""
         queries = self.wq_b(query_latent).unflatten(-1, (self.num_heads, self.head_dim))
-        queries = fake_quantize(apply_rope(queries, angles), "mxfp4", FP8_BLOCK)
+        queries = fake_quantize(apply_rope(queries, angles), "mxfp4", FP8_BLOCK,
+                                self.quantize)
         weights = self.weights_proj(hidden) * (self.head_dim ** -0.5 * self.num_heads ** -0.5)
         scores = torch.einsum("sbhd,tbd->sbht", queries, keys)
         scores = (scores.relu() * weights.unsqueeze(-1)).sum(dim=2)

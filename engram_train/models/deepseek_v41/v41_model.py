@@ -19,10 +19,11 @@ Positions are the token's index in its row (V4.1's attention is causal by constr
 sliding window and CSA2 give its mask): ``position_ids`` and megatron's ``attention_mask`` are
 accepted and not read (``data.reset_position_ids=true`` is refused for V4.1 by the run config).
 
-One process for now (tensor, pipeline, expert and context parallelism are refused when the run
-config is checked, ``training/run_config.py``): the CSA2 state does not cross pipeline stages
-yet, the shared KV head's gradient needs a reduction over tensor-parallel ranks, and the routed
-experts are all local.
+Data-parallel, the Engram tables over embedding-parallel ranks (the trainer's lookup method,
+``parallel/lookup.py``; the checkpoint view in ``v41_sharding.py``); tensor, pipeline, expert
+and context parallelism are refused when the run config is checked (``training/run_config.py``):
+the CSA2 state does not cross pipeline stages yet, the shared KV head's gradient needs a
+reduction over tensor-parallel ranks, and the routed experts are all local.
 
 Under bf16 the float32 parts keep their dtype (``keep_fp32``, held out of ``Float16Module``'s
 cast by the builder): the mHC mappings (``attn_hc``/``ffn_hc``), the attention sinks and the
@@ -34,7 +35,7 @@ keeps it float32): a difference under bf16 only.
 from __future__ import annotations
 
 import torch
-from megatron.core import tensor_parallel
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.enums import ModelType
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.models.common.language_module.language_module import LanguageModule
@@ -46,6 +47,7 @@ from engram_train.models.deepseek_v41.v41_csa import CSAState
 from engram_train.models.deepseek_v41.v41_hyper_connection import collapse, first_pre
 from engram_train.models.deepseek_v41.v41_layer import DeepseekV41Layer
 from engram_train.models.deepseek_v41.v41_primitives import DeepseekV41RMSNorm
+from engram_train.models.deepseek_v41.v41_sharding import DeepseekV41Layers
 
 
 def _engram_branch(config, layer_id: int) -> nn.Module | None:
@@ -58,7 +60,13 @@ def _engram_branch(config, layer_id: int) -> nn.Module | None:
     if not is_v41(config):
         raise ConfigError("model_family=deepseek_v41 with use_engram=true takes "
                           "engram_variant=deepseek_v41 (the paper branch has no V4.1 layer).")
-    return engram_branch_class(config)(config, config.hidden_size, layer_id)
+    options = {}
+    if parallel_state.model_parallel_is_initialized():  # the trainer's tables: sharded over eps
+        from engram_train.parallel.lookup import engram_embedding_parallel
+
+        options["embedding_parallel"] = engram_embedding_parallel(
+            config, sequence_parallel=config.sequence_parallel)
+    return engram_branch_class(config)(config, config.hidden_size, layer_id, **options)
 
 
 class DeepseekV41GPTModel(LanguageModule):
@@ -86,7 +94,7 @@ class DeepseekV41GPTModel(LanguageModule):
         self.embedding = LanguageModelEmbedding(config, vocab_size, max_sequence_length,
                                                 position_embedding_type="rope")
         dtype = config.params_dtype
-        self.layers = nn.ModuleList(
+        self.layers = DeepseekV41Layers(
             DeepseekV41Layer(args, i, config, engram=_engram_branch(config, i), dtype=dtype)
             for i in range(args.num_hidden_layers))
         self.final_norm = DeepseekV41RMSNorm(args.hidden_size, args.rms_norm_eps, dtype=dtype)

@@ -138,8 +138,8 @@ class _FakeQuantize(torch.autograd.Function):
         return grad, None, None
 
 
-def fake_quantize(x: torch.Tensor, fmt: Literal["fp8", "mxfp4", "nvfp4"], block: int
-                  ) -> torch.Tensor:
+def fake_quantize(x: torch.Tensor, fmt: Literal["fp8", "mxfp4", "nvfp4"], block: int,
+                  enabled: bool = True) -> torch.Tensor:
     """The released caches' rounding with a straight-through gradient: ``fp8`` (window KV,
     blocks of 32), ``mxfp4`` (indexer queries and keys, 32), ``nvfp4`` (compressed KV, 16)."""
     if fmt not in ("fp8", "mxfp4", "nvfp4"):
@@ -147,4 +147,6 @@ def fake_quantize(x: torch.Tensor, fmt: Literal["fp8", "mxfp4", "nvfp4"], block:
     if block < 1 or x.shape[-1] % block:
         raise InputError(f"fake_quantize: {x.shape[-1]} channels are not a multiple of the "
                          f"block of {block}.")
+    if not enabled:  # the model's fake_quantize=false
+        return x
     return _FakeQuantize.apply(x, fmt, int(block))

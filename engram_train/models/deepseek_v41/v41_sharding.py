@@ -1,0 +1,48 @@
+"""The DeepSeek-V4.1 model's megatron dist_checkpointing view: its plain torch modules give
+their own tensors replicated and let every child that knows its sharding speak for itself
+(megatron's parallel linears over TP, the Engram table over its embedding-parallel rows, the
+routed experts over EP), as ``MegatronModule.sharded_state_dict`` does for megatron's modules.
+Without it megatron's default would save a plain module's whole subtree as replicated tensors
+of their local shapes, and a checkpoint would not load under another layout."""
+
+from __future__ import annotations
+
+from megatron.core import parallel_state
+from torch import nn
+
+
+def recursive_sharded_state_dict(module: nn.Module, prefix: str = "",
+                                 sharded_offsets: tuple = (), metadata=None) -> dict:
+    """`module`'s direct parameters and buffers as replicated sharded tensors, each child by its
+    own ``sharded_state_dict`` where it has one, else by this function."""
+    from megatron.core.transformer.utils import (
+        ensure_metadata_has_dp_cp_group,
+        make_sharded_tensors_for_checkpoint,
+    )
+
+    metadata = ensure_metadata_has_dp_cp_group(metadata)
+    own: dict = {}
+    module._save_to_state_dict(own, "", keep_vars=True)
+    state = make_sharded_tensors_for_checkpoint(
+        own, prefix, sharded_offsets=sharded_offsets,
+        tp_group=parallel_state.get_tensor_model_parallel_group(),
+        dp_cp_group=metadata["dp_cp_group"])
+    for name, child in module.named_children():
+        method = getattr(child, "sharded_state_dict", None)
+        if method is None:
+            state.update(recursive_sharded_state_dict(child, f"{prefix}{name}.",
+                                                      sharded_offsets, metadata))
+        else:
+            state.update(method(f"{prefix}{name}.", sharded_offsets, metadata))
+    return state
+
+
+class ShardedChildren:
+    """Mixin for the model's plain modules: ``sharded_state_dict`` as the module docstring."""
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
+        return recursive_sharded_state_dict(self, prefix, sharded_offsets, metadata)
+
+
+class DeepseekV41Layers(ShardedChildren, nn.ModuleList):
+    """The model's layer list (state dict keys ``layers.<i>.…`` as a plain ``ModuleList``)."""
