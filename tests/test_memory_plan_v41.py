@@ -105,8 +105,7 @@ def test_v41_parameters_by_rank_share(one_rank):
 
 
 @pytest.mark.parametrize("argv", [["--search-nodes", "0"], ["--search-nodes=many"],
-                                  ["--search-nodes=-2"], ["--search-nodes", "4", "--nnodes", "2"],
-                                  ["--search-nodes", "2", "train.global_batch_size=3"]])
+                                  ["--search-nodes=-2"], ["--search-nodes", "4", "--nnodes", "2"]])
 def test_bad_search_nodes_is_refused_in_one_line(argv, capsys):
     from engram_train.memory_plan.plan_cli import main
 
@@ -116,6 +115,16 @@ def test_bad_search_nodes_is_refused_in_one_line(argv, capsys):
     assert exit_.value.code == 1 and "Traceback" not in err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "--search-nodes" in lines[0], err
+
+
+def test_search_without_a_valid_layout_says_why_in_one_line(one_rank):
+    from engram_train.memory_plan.plan_cli import PlanError
+
+    with pytest.raises(PlanError) as refused:
+        _search(["model=deepseek_v3_tiny", "train.global_batch_size=3", "train.micro_batch_size=2"],
+                2, 141 * GIB)
+    message = str(refused.value)
+    assert "\n" not in message and "--search-nodes=2" in message and "global_batch_size" in message
 
 
 def test_v41_layer_activations_against_saved_tensors(one_rank):
