@@ -85,7 +85,7 @@ def _validated_v41(cfg, world: int, cache: dict):
     """V4.1's config, validated with its layout sizes at 1 (``v41_plan.validation_cfg``; once
     per search, kept in ``cache``), and the layout's own checks; the notes of the report."""
     from engram_train.memory_plan import v41_plan
-    from engram_train.training.run_config import validate_run_config
+    from engram_train.training.run_config import ConfigError, validate_run_config
 
     config = cache.get("v41_config")
     if config is None:
@@ -94,8 +94,14 @@ def _validated_v41(cfg, world: int, cache: dict):
                        * int(s.context_parallel_size or 1))
         config = validate_run_config(v41_plan.validation_cfg(cfg), max(dp, 1), check_data=False)
         cache["v41_config"] = config
-    wider = v41_plan.check_layout(cfg, config, world)
-    return config, ([f"{', '.join(wider)}: {v41_plan.NOT_TRAINABLE_YET}"] if wider else [])
+    v41_plan.check_layout(cfg, config, world)
+    if cache.get("searching"):  # the layout found gets its note (search_plan)
+        return config, []
+    try:  # what the trainer itself refuses of this layout today
+        validate_run_config(cfg, world, check_data=False)
+    except ConfigError as e:
+        return config, [f"{v41_plan.NOT_TRAINABLE_YET}: the trainer refuses it today: {e}"]
+    return config, []
 
 
 def meta_model(config, padded_vocab: int, seq_length: int):
@@ -208,10 +214,10 @@ def search_plan(cfg, max_nodes: int, nproc_per_node: int, vocab: int | None, dev
                 device_memory: int | None, host_memory: int | None, baseline: int | None = None):
     """``--search-nodes``: plans layouts at 1..``max_nodes`` nodes (``node_search.py``).
     torch.distributed must be set up for one process, as for ``make_plan``."""
-    from engram_train.memory_plan.node_search import search_nodes
+    from engram_train.memory_plan.node_search import search_nodes, with_layout
     from engram_train.training.run_config import ConfigError, backbone_model
 
-    cache: dict = {}
+    cache: dict = {"searching": True}
     if vocab is None:
         from engram_train.data import load_tokenizer
 
@@ -223,7 +229,12 @@ def search_plan(cfg, max_nodes: int, nproc_per_node: int, vocab: int | None, dev
 
     backbone = backbone_model(cfg)
     try:
-        return search_nodes(cfg, max_nodes, nproc_per_node, plan_at, int(backbone["num_layers"]),
+        plan = search_nodes(cfg, max_nodes, nproc_per_node, plan_at, int(backbone["num_layers"]),
                             int(backbone["num_moe_experts"] or 0))
     except ConfigError as e:
         raise PlanError(f"--search-nodes={max_nodes}: {e}") from None
+    lay = plan.layout  # planned again outside the search: the layout's notes
+    found = with_layout(cfg, {"tp": lay.tp, "pp": lay.pp, "ep": lay.ep, "eps": lay.table_shards})
+    cache["searching"] = False
+    plan.notes = plan_at(found, lay.world).notes
+    return plan

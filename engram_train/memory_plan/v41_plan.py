@@ -6,10 +6,9 @@ Parameters come from ``DeepseekV41GPTModel`` built on the meta device (``layers.
 compressors' projections, the Engram ``wkv`` and the output layer stay float32, and the
 indexer is frozen (no gradient, no optimizer state).
 
-How a rank shares them, as megatron would split V4.1 (the trainer runs V4.1 data-parallel only
-today, ``training/run_config.py``: the plan of a wider layout is the plan of a layout the
-trainer does not run yet, and the report says so): routed experts over EP x expert-TP; the
-query up-projection ``wq_b``, the sinks, ``wo_a`` (per group of heads), ``wo_b``'s input and the
+How a rank shares them, as megatron would split V4.1 (where the trainer refuses a layout
+today, ``training/run_config.py``, the plan is still made and its ``notes`` quote the
+refusal): routed experts over EP x expert-TP; the query up-projection ``wq_b``, the sinks, ``wo_a`` (per group of heads), ``wo_b``'s input and the
 shared expert over TP; the shared K=V head ``wkv``, the query down-projection, the compressor,
 the indexer, the router, norms and mHC mappings replicated; the tables over the Engram
 embedding-parallel size.
@@ -174,9 +173,7 @@ def logits_bytes_per_entry(a: int) -> int:
     return 4 + 4 + 4
 
 
-NOT_TRAINABLE_YET = (
-    "the trainer runs DeepSeek-V4.1 data-parallel only for now (docs/deepseek-v41.md 'The "
-    "model'); this plan is of the layout as megatron would split V4.1")
+NOT_TRAINABLE_YET = "planned as megatron would split DeepSeek-V4.1"
 
 
 def validation_cfg(cfg):
@@ -195,9 +192,8 @@ def validation_cfg(cfg):
     return plain
 
 
-def check_layout(cfg, config, world: int) -> list[str]:
-    """The layout rules ``validate_run_config`` skipped for V4.1 (``validation_cfg``); returns
-    the layout's sizes the trainer does not run yet (empty: data-parallel)."""
+def check_layout(cfg, config, world: int) -> None:
+    """The layout rules ``validate_run_config`` skipped for V4.1 (``validation_cfg``)."""
     from engram_train.training.run_config import ConfigError, data_parallel_size, parallel_sizes
 
     p = parallel_sizes(cfg)
@@ -213,12 +209,6 @@ def check_layout(cfg, config, world: int) -> list[str]:
     if config.num_moe_experts % p.expert:
         raise ConfigError(f"{config.num_moe_experts} experts are not divisible by "
                           f"system.expert_model_parallel_size={p.expert}")
-    sizes = {"TP": p.tensor, "PP": p.pipeline, "EP": p.expert, "CP": p.context,
-             "Engram eps": p.engram_embedding}
-    wider = [f"{k} {v}" for k, v in sizes.items() if v > 1]
-    if cfg.system.recompute_granularity is not None:
-        wider.append(f"recompute {cfg.system.recompute_granularity}")
-    return wider
 
 
 def with_recompute(cfg, config):
