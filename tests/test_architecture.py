@@ -288,3 +288,19 @@ def test_the_readme_layout_names_every_package_folder():
                if p.parent != PACKAGE}
     assert folders, "the scan finds the packages"
     assert [f for f in sorted(folders) if f"  {f}/" not in layout] == []
+
+
+def test_every_lazily_exported_name_resolves():
+    """A package's ``_EXPORTS`` (name -> module, imported on first use) names real modules: a
+    renamed module fails here, not in the first script that reaches for the name."""
+    import importlib
+
+    packages = sorted({p.parent for p in PACKAGE.rglob("__init__.py")})
+    checked = 0
+    for folder in packages:
+        name = ".".join(folder.relative_to(REPO).parts)
+        exports = getattr(importlib.import_module(name), "_EXPORTS", {})
+        for export in exports:
+            assert getattr(importlib.import_module(name), export) is not None, f"{name}.{export}"
+            checked += 1
+    assert checked >= 50

@@ -21,10 +21,10 @@ from __future__ import annotations
 from engram_train.lazy_exports import lazy_getattr
 
 _EXPORTS = {
-    "CheckpointError": "errors",
-    "CheckpointSpaceError": "errors",
-    "DamagedCheckpointError": "errors",
-    "NonFiniteStateError": "errors",
+    "CheckpointError": "checkpoint_errors",
+    "CheckpointSpaceError": "checkpoint_errors",
+    "DamagedCheckpointError": "checkpoint_errors",
+    "NonFiniteStateError": "checkpoint_errors",
     "MANIFEST": "layout",
     "TRACKER": "layout",
     "SET_ASIDE_SUFFIX": "layout",
