@@ -204,7 +204,8 @@ def stage_activations(config, layout: Layout, stage: int, layers: list[int], a: 
     one_layer = max((sum(p.values()) for p in per_layer), default=0) * t
     items["backward_working_set"] = one_layer * (2 if full else 1)
     if v41:
-        items["backward_working_set"] += max((v41_plan.indexer_transient(config, layout, i) for i in layers), default=0)
+        indexer = (v41_plan.indexer_transient(config, layout, i) for i in layers)
+        items["backward_working_set"] += max(indexer, default=0)
     scores = 0 if v41 else attention_scores_per_layer(config, layout, a, device)
     if scores:  # one layer's float32 score transients (plus its saved ones under full recompute)
         items["attention_score_transients"] = int(scores * (SCORE_TRANSIENTS + (1 if full else 0)))

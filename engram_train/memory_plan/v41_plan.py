@@ -8,8 +8,8 @@ indexer is frozen (no gradient, no optimizer state).
 
 How a rank shares them, as megatron would split V4.1 (where the trainer refuses a layout
 today, ``training/run_config.py``, the plan is still made and its ``notes`` quote the
-refusal): routed experts over EP x expert-TP; the query up-projection ``wq_b``, the sinks, ``wo_a`` (per group of heads), ``wo_b``'s input and the
-shared expert over TP; the shared K=V head ``wkv``, the query down-projection, the compressor,
+refusal): routed experts over EP x expert-TP; the query up-projection ``wq_b``, the sinks,
+``wo_a`` (per group of heads), ``wo_b``'s input and the shared expert over TP; the shared K=V head ``wkv``, the query down-projection, the compressor,
 the indexer, the router, norms and mHC mappings replicated; the tables over the Engram
 embedding-parallel size.
 
