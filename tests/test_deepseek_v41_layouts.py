@@ -28,6 +28,7 @@ STEPS = 5
 LAYOUTS = {  # name: (processes, overrides)
     "one": (1, ()),
     "eps2": (2, ("+model.engram_embedding_parallel_size=2",)),
+    "ep2": (2, ("system.expert_model_parallel_size=2",)),
 }
 
 
@@ -50,9 +51,11 @@ def losses(tmp_path_factory):
     trainer(1, root / "start", "train.train_iters=1", f"checkpoint.save={root / 'ckpt'}")
     resume = (f"train.train_iters={1 + STEPS}", f"checkpoint.load={root / 'ckpt'}",
               "+model.fake_quantize=false")
-    runs = {name: trainer(nproc, root / name, *resume, *extra)
+    runs = {name: trainer(nproc, root / name, *resume, *extra,
+                          f"checkpoint.save={root / name / 'ckpt'}")
             for name, (nproc, extra) in LAYOUTS.items()}
     print("DeepSeek-V4.1 layouts, lm loss per step:", json.dumps(runs))
+    runs["root"] = root
     return runs
 
 
@@ -76,3 +79,18 @@ def test_v41_layouts_the_run_config_accepts():
     config = validate_run_config(
         _cfg(["model=deepseek_v41_tiny", "+model.engram_embedding_parallel_size=2"]), 2)
     assert config.engram_embedding_parallel_size == 2
+
+
+def test_expert_parallel_two_trains_as_one_process(losses):
+    """The routed experts split over EP 2 (the exact all-gather / all-reduce dispatch), their
+    checkpoint tensors sharded on the expert axis: the one-process checkpoint loads as two
+    halves, and the EP 2 run saves two 2-expert blocks of the 4-expert tensor."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    assert max_difference(losses["one"], losses["ep2"]) <= 1e-5
+    folder = losses["root"] / "ep2" / "ckpt" / f"iter_{1 + STEPS:07d}"
+    saved = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    expert = saved["layers.0.ffn.experts.w1"]
+    assert tuple(expert.size) == (4, 32, 64)
+    assert sorted(tuple(c.offsets) for c in expert.chunks) == [(0, 0, 0), (2, 0, 0)]
+    assert all(tuple(c.sizes) == (2, 32, 64) for c in expert.chunks)

@@ -175,15 +175,15 @@ def _check_pipeline(cfg, p: ParallelSizes, dp: int) -> None:
 
 
 def _check_model_family_layout(cfg, p: ParallelSizes) -> None:
-    """DeepSeek-V4.1 runs data-parallel, with its Engram tables sharded over eps ranks
-    (docs/deepseek-v41.md 'Layouts'), and nothing wider for now: its CSA2 state does not
-    cross pipeline stages yet, the shared KV head's gradient is not reduced over
-    tensor-parallel ranks, its routed experts are all local, its compressed runs are not split
-    over context-parallel ranks, and its layers have no recompute path."""
+    """DeepSeek-V4.1 runs data-parallel, its routed experts over EP ranks and its Engram
+    tables over eps ranks (docs/deepseek-v41.md 'Layouts'), nothing wider for now: its CSA2
+    state does not cross pipeline stages yet, the shared KV head's gradient is not reduced over
+    tensor-parallel ranks, its compressed runs are not split over context-parallel ranks, and
+    its layers have no recompute path."""
     if preset_family(cfg.model) != DEEPSEEK_V41:
         return
     sizes = {"pipeline_model_parallel_size": p.pipeline, "tensor_model_parallel_size": p.tensor,
-             "expert_model_parallel_size": p.expert, "context_parallel_size": p.context}
+             "context_parallel_size": p.context}
     wider = [f"system.{k}={v}" for k, v in sizes.items() if v > 1]
     if p.virtual_pipeline is not None:
         wider.append(f"system.virtual_pipeline_model_parallel_size={p.virtual_pipeline}")
@@ -195,10 +195,10 @@ def _check_model_family_layout(cfg, p: ParallelSizes) -> None:
             "token's index in the row (the window and CSA2 give its mask); set it to false")
     if wider:
         raise ConfigError(
-            f"{', '.join(wider)} with model_family=deepseek_v41: V4.1 trains data-parallel "
+            f"{', '.join(wider)} with model_family=deepseek_v41: V4.1 trains data-, expert- "
             "and Engram-embedding-parallel only for now (the CSA2 state between layers is not "
             "carried across pipeline stages, the shared KV head's gradient is not reduced over "
-            "tensor-parallel ranks, experts are not sharded, no recompute path); set them to "
+            "tensor-parallel ranks, no recompute path); set them to "
             "1 / null (docs/deepseek-v41.md 'Layouts')")
 
 

@@ -17,7 +17,13 @@ update rule from the expert loads belongs to the trainer; none is applied here).
 
 Parallelism: routed experts are stacked ``[experts, out, in]`` (``w1``, ``w3``, ``w2`` in
 ``nn.Linear`` orientation) so expert parallelism splits dim 0; the shared expert is megatron's
-column-parallel ``w1``/``w3`` and row-parallel ``w2``. One process now: all experts local.
+column-parallel ``w1``/``w3`` and row-parallel ``w2``. Under expert parallelism (megatron's
+expert-model-parallel group) each rank holds ``experts / ep`` of them and the dispatch is the
+simplest exact one: the EP group's tokens, routing weights and choices are gathered, each rank
+adds its own experts' contributions for all of them, and the float32 sums are added over the
+group, each rank keeping its own tokens' (`ExpertParallelDispatch`). The expert weights are
+megatron's expert parameters (``allreduce = False``: DDP reduces them over the expert
+data-parallel group) and their checkpoint tensors are sharded on the expert axis.
 """
 
 from __future__ import annotations
@@ -26,8 +32,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engram_train.errors import InputError
+from engram_train.errors import ConfigError, InputError
 from engram_train.models.deepseek_v41.v41_attention import parallel_linears
+from engram_train.models.deepseek_v41.v41_expert_parallel import (
+    ExpertParallelDispatch,
+    expert_sharded_state_dict,
+)
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -63,31 +73,51 @@ class DeepseekV41Router(nn.Module):
 
 class DeepseekV41Experts(nn.Module):
     """The routed experts, stacked: ``w1``/``w3`` ``[experts, inter, hidden]``, ``w2``
-    ``[experts, hidden, inter]``. A loop over the experts that got tokens (the CPU
-    reference; a grouped GEMM on GPUs)."""
+    ``[experts, hidden, inter]``, this rank's ``experts / ep`` of them under expert
+    parallelism (`ep_group`). A loop over the experts that got tokens (the CPU reference; a
+    grouped GEMM on GPUs)."""
 
-    def __init__(self, args, device=None, dtype: torch.dtype | None = None):
+    def __init__(self, args, device=None, dtype: torch.dtype | None = None, ep_group=None):
         super().__init__()
         e, i, h = args.n_routed_experts, args.moe_intermediate_size, args.hidden_size
         factory = {"device": device, "dtype": dtype}
         self.limit = float(args.swiglu_limit)
-        self.w1 = nn.Parameter(torch.empty(e, i, h, **factory))
-        self.w3 = nn.Parameter(torch.empty(e, i, h, **factory))
-        self.w2 = nn.Parameter(torch.empty(e, h, i, **factory))
+        self.dispatch = ExpertParallelDispatch(ep_group)
+        ep = self.dispatch.size
+        if e % ep:
+            raise ConfigError(f"n_routed_experts={e} must be divisible by "
+                              f"expert_model_parallel_size={ep}.")
+        self.num_local = e // ep
+        self.first = self.dispatch.rank * self.num_local
+        self.w1 = nn.Parameter(torch.empty(self.num_local, i, h, **factory))
+        self.w3 = nn.Parameter(torch.empty(self.num_local, i, h, **factory))
+        self.w2 = nn.Parameter(torch.empty(self.num_local, h, i, **factory))
+        if ep > 1:  # megatron's expert parameters: DDP reduces them over expert-DP only
+            for param in (self.w1, self.w3, self.w2):
+                param.allreduce = False
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
+        """The stacked weights sharded on the expert axis (dim 0) over EP ranks."""
+        return expert_sharded_state_dict(self, ("w1", "w3", "w2"), self.dispatch, prefix,
+                                         sharded_offsets)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
                 valid: torch.Tensor | None = None) -> torch.Tensor:
         """``x [tokens, hidden]``, the router's ``weights``/``indices`` ``[tokens, k]`` ->
         ``[tokens, hidden]`` in x's dtype (accumulated in float32)."""
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         chosen = indices if valid is None else indices.masked_fill(~valid.unsqueeze(-1), -1)
-        for expert in torch.unique(chosen[chosen >= 0]).tolist():
-            token, slot = torch.where(chosen == expert)
+        rows = x.shape[0]
+        x, weights, chosen = self.dispatch.gather(x, weights, chosen)
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        local = chosen - self.first
+        local = local.masked_fill((chosen < 0) | (local >= self.num_local), -1)
+        for expert in torch.unique(local[local >= 0]).tolist():
+            token, slot = torch.where(local == expert)
             xe = x[token]
             hidden = clamped_swiglu(xe @ self.w1[expert].t(), xe @ self.w3[expert].t(), self.limit)
             hidden = (hidden * weights[token, slot, None]).to(x.dtype)
             out.index_add_(0, token, (hidden @ self.w2[expert].t()).float())
-        return out.to(x.dtype)
+        return self.dispatch.reduce(out, rows).to(x.dtype)
 
 
 class DeepseekV41SharedExpert(nn.Module):
@@ -106,6 +136,15 @@ class DeepseekV41SharedExpert(nn.Module):
         return self.w2(hidden)[0]
 
 
+def expert_parallel_group():
+    """megatron's expert-model-parallel group (None outside an initialized parallel state)."""
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return None
+    return parallel_state.get_expert_model_parallel_group()
+
+
 class DeepseekV41MoE(nn.Module):
     """Router, routed experts and the shared expert (module docstring). `config` and
     `tp_group` are the shared expert's megatron ``ModelParallelConfig`` and group.
@@ -116,7 +155,7 @@ class DeepseekV41MoE(nn.Module):
         super().__init__()
         self.hidden_size = args.hidden_size
         self.gate = DeepseekV41Router(args, device, dtype)
-        self.experts = DeepseekV41Experts(args, device, dtype)
+        self.experts = DeepseekV41Experts(args, device, dtype, expert_parallel_group())
         self.shared_experts = DeepseekV41SharedExpert(args, config, tp_group)
         self.reset_parameters(args.initializer_range)
 
