@@ -29,6 +29,9 @@ LAYOUTS = {  # name: (processes, overrides)
     "one": (1, ()),
     "eps2": (2, ("+model.engram_embedding_parallel_size=2",)),
     "ep2": (2, ("system.expert_model_parallel_size=2",)),
+    "tp2": (2, ("system.tensor_model_parallel_size=2", "system.sequence_parallel=true")),
+    "ep2_eps2": (2, ("system.expert_model_parallel_size=2",
+                     "+model.engram_embedding_parallel_size=2")),
 }
 
 
@@ -94,3 +97,37 @@ def test_expert_parallel_two_trains_as_one_process(losses):
     assert tuple(expert.size) == (4, 32, 64)
     assert sorted(tuple(c.offsets) for c in expert.chunks) == [(0, 0, 0), (2, 0, 0)]
     assert all(tuple(c.sizes) == (2, 32, 64) for c in expert.chunks)
+
+
+def test_tensor_parallel_two_with_sequence_parallelism_trains_as_one_process(losses):
+    """Heads, sinks and ``wo_a`` groups split over TP 2, each rank's sequence slice gathered
+    before the attention; the replicated parameters' partial gradients summed over TP. The
+    checkpoint's sinks are two 2-head halves of the 4 heads."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    assert max_difference(losses["one"], losses["tp2"]) <= 1e-5
+    folder = losses["root"] / "tp2" / "ckpt" / f"iter_{1 + STEPS:07d}"
+    saved = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    sink = saved["layers.0.attn.attn_sink"]
+    assert tuple(sink.size) == (4,)
+    assert sorted(tuple(c.offsets) for c in sink.chunks) == [(0,), (2,)]
+
+
+def test_expert_and_engram_embedding_parallel_combined(losses):
+    assert max_difference(losses["one"], losses["ep2_eps2"]) <= 1e-5
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["system.tensor_model_parallel_size=2", "system.expert_model_parallel_size=2"],
+     r"tensor_model_parallel_size=2 with system.expert_model_parallel_size=2 and model_family"),
+    (["system.context_parallel_size=2"], r"context_parallel_size=2 with model_family"),
+])
+def test_v41_layouts_still_refused(overrides, match):
+    from test_presets import _cfg
+
+    from engram_train.errors import ConfigError
+    from engram_train.training.run_config import validate_run_config
+
+    with pytest.raises(ConfigError, match=match):
+        validate_run_config(_cfg(["model=deepseek_v41_tiny", "train.micro_batch_size=1",
+                                  "system.sequence_parallel=true", *overrides]), 4)

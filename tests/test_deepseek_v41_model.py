@@ -243,7 +243,8 @@ def test_trainer_runs_the_tiny_preset_with_a_falling_loss(tmp_path):
 
 
 @pytest.mark.parametrize("overrides, world, match", [
-    (["system.tensor_model_parallel_size=2"], 2, r"tensor_model_parallel_size=2 with model_fam"),
+    (["system.tensor_model_parallel_size=2", "system.sequence_parallel=false"], 2,
+     r"tensor_model_parallel_size > 1 needs sequence parallelism"),
     (["system.pipeline_model_parallel_size=2"], 2, r"pipeline_model_parallel_size=2 with model_"),
     (["system.expert_model_parallel_size=8", "train.micro_batch_size=1"], 8,
      r"num_moe_experts=4 must be divisible by"),

@@ -102,6 +102,20 @@ def tensor_parallel_size(tp_group) -> int:
     return dist.get_world_size(tp_group)
 
 
+def _check_tensor_parallel(args, config, tp: int) -> None:
+    """Tensor parallelism splits the query heads, their sinks and the output groups; it runs
+    with sequence parallelism (each rank's slice gathered before the attention, ``wo_b``
+    reduce-scattering the output back)."""
+    if tp == 1:
+        return
+    if args.num_attention_heads % tp or args.o_groups % tp:
+        raise ConfigError(f"num_attention_heads={args.num_attention_heads} and o_groups="
+                          f"{args.o_groups} must be divisible by tensor_model_parallel_size={tp}.")
+    if not getattr(config, "sequence_parallel", False):
+        raise ConfigError("DeepSeek-V4.1 with tensor_model_parallel_size > 1 needs "
+                          "system.sequence_parallel: true.")
+
+
 class DeepseekV41Attention(nn.Module):
     """The attention of layer `layer_id` (module docstring). `args` is a
     ``DeepseekV41BackboneArgs``; `config` the megatron ``ModelParallelConfig`` (or
@@ -114,32 +128,35 @@ class DeepseekV41Attention(nn.Module):
     def __init__(self, args, layer_id: int, config, tp_group=None, device=None,
                  dtype: torch.dtype | None = None):
         super().__init__()
-        tp = tensor_parallel_size(tp_group)
-        if tp != 1:
-            raise ConfigError(f"DeepSeek-V4.1 attention runs in one process for now (tensor "
-                              f"parallel size {tp}): the shared KV head's gradient reduction "
-                              "is not written yet.")
+        tp = self.tp = tensor_parallel_size(tp_group)
+        self.tp_group = tp_group
+        _check_tensor_parallel(args, config, tp)
         self.role = args.role(layer_id)
         self.layer_id, self.ratio = int(layer_id), self.role.compress_ratio
-        self.num_heads, self.head_dim = args.num_attention_heads, args.head_dim
-        self.groups, self.window = args.o_groups, args.sliding_window
+        self.num_heads, self.head_dim = args.num_attention_heads // tp, args.head_dim
+        self.groups, self.window = args.o_groups // tp, args.sliding_window
         self.dropout = float(args.attention_dropout)
         std, factory = args.initializer_range, {"device": device, "dtype": dtype}
         column, row = parallel_linears(config, tp_group)
         self.wq_a = nn.Linear(args.hidden_size, args.q_lora_rank, bias=False, **factory)
         self.q_norm = DeepseekV41RMSNorm(args.q_lora_rank, args.rms_norm_eps, **factory)
-        self.wq_b = column(args.q_lora_rank, self.num_heads * self.head_dim, std)
+        self.wq_b = column(args.q_lora_rank, args.num_attention_heads * self.head_dim, std)
         self.wkv = nn.Linear(args.hidden_size, self.head_dim, bias=False, **factory)
         self.kv_norm = DeepseekV41RMSNorm(self.head_dim, args.rms_norm_eps, **factory)
-        self.wo_a = GroupedLinear(self.num_heads * self.head_dim // self.groups,
+        self.wo_a = GroupedLinear(args.num_attention_heads * self.head_dim // args.o_groups,
                                   args.o_lora_rank, self.groups, **factory)
-        self.wo_b = row(self.groups * args.o_lora_rank, args.hidden_size, std)
+        self.wo_b = row(args.o_groups * args.o_lora_rank, args.hidden_size, std)
         self.attn_sink = nn.Parameter(torch.zeros(self.num_heads, device=device,
                                               dtype=torch.float32))
         self.compressor = (DeepseekV41Compressor(args, self.ratio, **factory)
                            if self.role.kv_source else None)
         self.indexer = (DeepseekV41Indexer(args, self.role, **factory)
                         if self.role.index_source else None)
+        if tp > 1:  # this rank's heads and output groups: TP-split parameters for megatron
+            from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
+
+            for param in (self.wo_a.weight, self.attn_sink):
+                set_tensor_model_parallel_attributes(param, True, 0, 1)
         self.quantize = bool(args.fake_quantize)
         self.rope_args = args  # frequencies per call: a float buffer would follow a bf16 cast
         self.reset_parameters(std)
@@ -158,6 +175,13 @@ class DeepseekV41Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, state: CSAState | None = None,
                 valid: torch.Tensor | None = None) -> tuple[torch.Tensor, CSAState]:
+        if self.tp > 1:  # this rank's sequence slice -> the whole sequence, for its heads
+            if valid is not None:
+                raise InputError("DeepSeek-V4.1 attention under tensor parallelism takes no "
+                                 "valid mask yet.")
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            x = gather_from_sequence_parallel_region(x, True, self.tp_group)
         s, b = x.shape[:2]
         if s == 0:
             raise InputError("DeepSeek-V4.1 attention needs a non-empty sequence.")
@@ -168,8 +192,9 @@ class DeepseekV41Attention(nn.Module):
         frequencies = layer_frequencies(self.rope_args, bool(self.ratio), x.device)
         angles = rope_angles(torch.arange(s, device=x.device), frequencies)
         query_latent = self.q_norm(self.wq_a(x))
-        query = apply_rope(self.wq_b(query_latent)[0].unflatten(-1, (self.num_heads, -1)),
-                           angles)
+        heads = (self.wq_b(query_latent)[0] if self.tp == 1 else  # input already gathered
+                 F.linear(query_latent, self.wq_b.weight))
+        query = apply_rope(heads.unflatten(-1, (self.num_heads, -1)), angles)
         kv = fake_quantize(apply_rope(self.kv_norm(self.wkv(x)), angles), "fp8", FP8_BLOCK,
                            self.quantize)
         if self.ratio:

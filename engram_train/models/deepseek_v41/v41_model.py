@@ -104,6 +104,7 @@ class DeepseekV41GPTModel(LanguageModule):
             bias=False, skip_bias_add=False, gather_output=False)
         self.output_layer.weight.data = self.output_layer.weight.data.float()
         self._mark_float32()
+        self._mark_sequence_parallel()
         self.setup_embeddings_and_output_layer()
 
     def _mark_float32(self) -> None:
@@ -113,6 +114,19 @@ class DeepseekV41GPTModel(LanguageModule):
                     ".attn_hc." in name or ".ffn_hc." in name or name.endswith(".attn_sink")
                     or ".attn.compressor.w" in name or name.startswith("output_layer.")):
                 param.keep_fp32 = True
+
+    def _mark_sequence_parallel(self) -> None:
+        """Under TP (with sequence parallelism) every parameter that is not TP-split gets a
+        partial gradient on each TP rank (its sequence slice, or its heads' share of the shared
+        KV, query latent and compressed branch): megatron sums those over TP
+        (``sequence_parallel``), the Engram table excepted (its lookup reduces its rows)."""
+        if not (self.config.sequence_parallel and parallel_state.model_parallel_is_initialized()
+                and parallel_state.get_tensor_model_parallel_world_size() > 1):
+            return
+        for name, param in self.named_parameters():
+            if not getattr(param, "tensor_model_parallel", False) \
+                    and not name.endswith("multi_head_embedding.weight"):
+                param.sequence_parallel = True
 
     def set_input_tensor(self, input_tensor) -> None:
         """megatron's schedules call it on every stage; one stage takes no input tensor."""
@@ -134,7 +148,13 @@ class DeepseekV41GPTModel(LanguageModule):
                 raise InputError(f"the hash block has {len(engram_hash_ids)} slices for "
                                  f"engram_layer_ids={layer_ids}: one per Engram layer.")
             ids = engram_hash_ids[layer_ids.index(layer.layer_id)]
-        return torch.as_tensor(ids, device=self.output_layer.weight.device).transpose(0, 1)
+        ids = torch.as_tensor(ids, device=self.output_layer.weight.device).transpose(0, 1)
+        if self.config.sequence_parallel:  # this TP rank's sequence slice
+            tp = parallel_state.get_tensor_model_parallel_world_size()
+            share = ids.shape[0] // tp
+            rank = parallel_state.get_tensor_model_parallel_rank()
+            ids = ids[rank * share:(rank + 1) * share]
+        return ids
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None,

@@ -13,7 +13,8 @@ from torch import nn
 
 def recursive_sharded_state_dict(module: nn.Module, prefix: str = "",
                                  sharded_offsets: tuple = (), metadata=None) -> dict:
-    """`module`'s direct parameters and buffers as replicated sharded tensors, each child by its
+    """`module`'s direct parameters and buffers as replicated sharded tensors (TP-split ones
+    on their partition dim), each child by its
     own ``sharded_state_dict`` where it has one, else by this function."""
     from megatron.core.transformer.utils import (
         ensure_metadata_has_dp_cp_group,
@@ -23,8 +24,10 @@ def recursive_sharded_state_dict(module: nn.Module, prefix: str = "",
     metadata = ensure_metadata_has_dp_cp_group(metadata)
     own: dict = {}
     module._save_to_state_dict(own, "", keep_vars=True)
+    split = {name: param.partition_dim for name, param in module.named_parameters(recurse=False)
+             if getattr(param, "tensor_model_parallel", False)}  # TP-split: sinks, wo_a
     state = make_sharded_tensors_for_checkpoint(
-        own, prefix, sharded_offsets=sharded_offsets,
+        own, prefix, split, sharded_offsets=sharded_offsets,
         tp_group=parallel_state.get_tensor_model_parallel_group(),
         dp_cp_group=metadata["dp_cp_group"])
     for name, child in module.named_children():
