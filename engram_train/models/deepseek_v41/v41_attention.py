@@ -17,11 +17,12 @@ rotate with ``rope_theta``; compressed layers, window keys included, with
 ``compress_rope_theta`` and YaRN. The softmax runs in float32. Padding (``valid`` False, right
 padding) is neither a key nor a compressed run, and its output is 0.
 
-Tensor parallelism (one process now): heads split (``wq_b`` column-parallel, the sinks and the
-output groups by rank, ``wo_b`` row-parallel); ``wq_a``, ``wkv`` and their norms are replicated.
-The shared KV head then takes gradient from every rank's heads: an all-reduce of its gradient
-over the group is needed before ``wkv`` (the query latent gets it from the column-parallel
-``wq_b``). The dense ``[b, H, s, keys]`` scores here are the CPU reference; a GPU run needs a
+Tensor parallelism (with sequence parallelism): heads split (``wq_b`` column-parallel, the
+sinks and the output groups by rank, ``wo_b`` row-parallel, reduce-scattering to the rank's
+sequence slice); the input slice is gathered first, and ``wq_a``, ``wkv``, their norms, the
+compressor and the indexer are replicated on the whole sequence. The shared KV head (and the
+query latent) then take gradient from every rank's heads: the model marks these parameters
+``sequence_parallel``, so megatron sums their gradients over TP. The dense ``[b, H, s, keys]`` scores here are the CPU reference; a GPU run needs a
 sparse kernel over the window and the selected keys.
 """
 

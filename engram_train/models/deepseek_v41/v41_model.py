@@ -19,12 +19,12 @@ Positions are the token's index in its row (V4.1's attention is causal by constr
 sliding window and CSA2 give its mask): ``position_ids`` and megatron's ``attention_mask`` are
 accepted and not read (``data.reset_position_ids=true`` is refused for V4.1 by the run config).
 
-Data-parallel, the routed experts over expert-parallel ranks (``v41_expert_parallel.py``),
-the Engram tables over embedding-parallel ranks (the trainer's lookup method,
-``parallel/lookup.py``; the checkpoint view in ``v41_sharding.py``); tensor, pipeline and
-context parallelism are refused when the run config is checked (``training/run_config.py``):
-the CSA2 state does not cross pipeline stages yet, and the shared KV head's gradient needs a
-reduction over tensor-parallel ranks.
+Data-parallel, the heads over tensor-parallel ranks with sequence parallelism (the attention
+gathers the sequence; `_mark_sequence_parallel`), the routed experts over expert-parallel ranks
+(``v41_expert_parallel.py``), the Engram tables over embedding-parallel ranks (the trainer's
+lookup method, ``parallel/lookup.py``; the checkpoint view in ``v41_sharding.py``); pipeline
+and context parallelism and TP together with EP are refused when the run config is checked
+(``training/run_config.py``): the CSA2 state does not cross pipeline stages yet.
 
 Under bf16 the float32 parts keep their dtype (``keep_fp32``, held out of ``Float16Module``'s
 cast by the builder): the mHC mappings (``attn_hc``/``ffn_hc``), the attention sinks and the
