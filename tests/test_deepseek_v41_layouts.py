@@ -30,8 +30,9 @@ LAYOUTS = {  # name: (processes, overrides)
     "eps2": (2, ("+model.engram_embedding_parallel_size=2",)),
     "ep2": (2, ("system.expert_model_parallel_size=2",)),
     "tp2": (2, ("system.tensor_model_parallel_size=2", "system.sequence_parallel=true")),
-    "ep2_eps2": (2, ("system.expert_model_parallel_size=2",
-                     "+model.engram_embedding_parallel_size=2")),
+    "tp2_ep2_eps2": (4, ("system.tensor_model_parallel_size=2", "system.sequence_parallel=true",
+                         "system.expert_model_parallel_size=2",
+                         "+model.engram_embedding_parallel_size=2")),
 }
 
 
@@ -113,13 +114,14 @@ def test_tensor_parallel_two_with_sequence_parallelism_trains_as_one_process(los
     assert sorted(tuple(c.offsets) for c in sink.chunks) == [(0,), (2,)]
 
 
-def test_expert_and_engram_embedding_parallel_combined(losses):
-    assert max_difference(losses["one"], losses["ep2_eps2"]) <= 1e-5
+def test_tensor_expert_and_engram_embedding_parallel_combined(losses):
+    """TP2 x EP2 x eps 2 on 4 processes: the EP groups cross the TP groups (megatron's expert
+    layout: expert-TP = TP), each expert's partial gradients summed over TP."""
+    assert max_difference(losses["one"], losses["tp2_ep2_eps2"]) <= 1e-5
 
 
 @pytest.mark.parametrize("overrides, match", [
-    (["system.tensor_model_parallel_size=2", "system.expert_model_parallel_size=2"],
-     r"tensor_model_parallel_size=2 with system.expert_model_parallel_size=2 and model_family"),
+    (["system.pipeline_model_parallel_size=2"], r"pipeline_model_parallel_size=2 with model_f"),
     (["system.context_parallel_size=2"], r"context_parallel_size=2 with model_family"),
 ])
 def test_v41_layouts_still_refused(overrides, match):

@@ -176,8 +176,7 @@ def _check_pipeline(cfg, p: ParallelSizes, dp: int) -> None:
 
 def _check_model_family_layout(cfg, p: ParallelSizes) -> None:
     """DeepSeek-V4.1 runs data-parallel, its heads over TP ranks (with sequence parallelism),
-    its routed experts over EP ranks (not both at once yet) and its Engram tables over eps
-    ranks (docs/deepseek-v41.md 'Layouts'), nothing wider for now: its CSA2 state does not
+    its routed experts over EP ranks and its Engram tables over eps ranks (docs/deepseek-v41.md 'Layouts'), nothing wider for now: its CSA2 state does not
     cross pipeline stages yet, its compressed runs are not split over context-parallel ranks,
     and its layers have no recompute path."""
     if preset_family(cfg.model) != DEEPSEEK_V41:
@@ -192,11 +191,6 @@ def _check_model_family_layout(cfg, p: ParallelSizes) -> None:
         raise ConfigError(
             "data.reset_position_ids=true with model_family=deepseek_v41: its positions are the "
             "token's index in the row (the window and CSA2 give its mask); set it to false")
-    if p.tensor > 1 and p.expert > 1:
-        raise ConfigError(
-            f"system.tensor_model_parallel_size={p.tensor} with system.expert_model_parallel_size="
-            f"{p.expert} and model_family=deepseek_v41: its routed experts are not split over "
-            "expert-tensor-parallel ranks yet; use one of the two (docs/deepseek-v41.md 'Layouts')")
     if wider:
         raise ConfigError(
             f"{', '.join(wider)} with model_family=deepseek_v41: V4.1 trains data-, tensor- "
