@@ -158,7 +158,8 @@ class Engram(nn.Module):
         self.short_conv = ShortConv(d, g, config.engram_kernel_size, self.max_ngram_size,
                                     **factory)
         self.zero_init_conv = zero_init_conv
-        self.value_init = config.engram_value_init
+        # a namespace built from an exported config.json may predate these fields
+        self.value_init = getattr(config, "engram_value_init", "normal")
         self.reset_parameters(include_table=False)  # the table initialized itself
         if table is None:
             from engram_train.engram.tables import mark_engram_param
@@ -175,7 +176,7 @@ class Engram(nn.Module):
 
         head_sizes = engram_head_vocab_sizes(
             config.engram_vocab_size, self.max_ngram_size, n_heads, layer_ids,
-            one_row=config.engram_one_row_per_head,
+            one_row=getattr(config, "engram_one_row_per_head", False),
         )[self.layer_id]
         return MultiHeadEmbedding(
             [p for order in head_sizes for p in order],
