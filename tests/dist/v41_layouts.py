@@ -12,16 +12,14 @@ parallelism and the tables vocab-parallel over TP (``allreduce``). Evidence that
 host path ran (host-resident tables, rows staged through the host) is recorded per run."""
 
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 import torch
-import torch.distributed as dist
 from common import SEQ, VOCAB, parse_args, repeated_batches, write_result
 from embedding_parallel_training import reassemble
-from engram_integration import build_engram_training, engram_config, table_optimizer
+from engram_integration import build_engram_training, engram_config, shared_tmpdir, table_optimizer
 
 from engram_train.runtime import ParallelSizes, initialize_distributed
 
@@ -95,9 +93,7 @@ def main():
     args = parse_args()
     parallel_state.destroy_model_parallel()
     initialize_distributed(ParallelSizes(), seed=1)
-    holder = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(holder, src=0)
-    root = Path(holder[0])
+    root = Path(shared_tmpdir())
     save_checkpoint(root, 0, build_model(engram_config(ParallelSizes(), LAYER_IDS, **V41), VOCAB, SEQ))
     result, tables = {}, {}
     for name, sizes, overrides in RUNS:
