@@ -10,7 +10,8 @@ from __future__ import annotations
 EMBEDDING_PARALLEL_METHODS = ("alltoall", "allreduce")
 TABLE_OPTIMIZERS = ("sparse_adam", "adam", "rowwise_adam")
 OPTIMIZER_STATE_DTYPES = ("fp32", "bf16")
-ENGRAM_TABLE_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # config value -> torch dtype name
+# config value -> torch dtype name (fp8_e4m3: with E8M0 scales per 32 columns, engram/fp8_table.py)
+ENGRAM_TABLE_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp8_e4m3": "float8_e4m3fn"}
 ENGRAM_VALUE_INITS = ("normal", "zero")
 TABLE_PLACEMENTS = ("device", "host")
 ENGRAM_VARIANTS = ("paper", "deepseek_v41")
@@ -30,8 +31,9 @@ CHOICES = {
         "dtype of rowwise_adam's per-element first moment"),
     "engram_table_dtype": (
         tuple(ENGRAM_TABLE_DTYPES),
-        "fp32 (default) or bf16 tables with float32 optimizer masters; fp16 tables are not "
-        "supported"),
+        "fp32 (default), bf16 (float32 optimizer masters unless engram_master_weights=false) or "
+        "fp8_e4m3 (FP8 rows with E8M0 scales per 32 columns: frozen, or rowwise_adam without "
+        "master); fp16 tables are not supported"),
     "engram_table_placement": (
         TABLE_PLACEMENTS,
         "'device' keeps the tables with the model, 'host' keeps them (and their optimizer "

@@ -116,8 +116,11 @@ class EngramConfig:
     (docs/huggingface.md, continued pretraining)."""
 
     engram_table_dtype: str = "fp32"
-    """Storage dtype of the Engram tables: 'fp32' or 'bf16' (the optimizer keeps float32
-    master rows for bf16 tables). The Engram projections, norms and conv follow the model's
+    """Storage dtype of the Engram tables: 'fp32', 'bf16' (the optimizer keeps float32
+    master rows for bf16 tables) or 'fp8_e4m3' (FP8 E4M3 rows with one E8M0 scale per row and
+    32 columns, as DeepSeek-V4.1's release stores them; frozen with `engram_freeze_tables`, or
+    trained by rowwise_adam without master, re-quantized with stochastic rounding:
+    docs/host-tables.md). The Engram projections, norms and conv follow the model's
     `params_dtype`."""
 
     engram_master_weights: bool = True
@@ -139,7 +142,8 @@ class EngramConfig:
 
     engram_freeze_tables: bool = False
     """Ablation control: the tables keep their initial values (their learning rate is 0); the
-    rest of the Engram branch trains as usual."""
+    rest of the Engram branch trains as usual. With `engram_table_dtype: fp8_e4m3` the tables
+    are fixed data: no gradient and no optimizer state (1.03 bytes per parameter)."""
 
     def __post_init__(self) -> None:
         self._check_engram_types()
@@ -350,11 +354,15 @@ class EngramConfig:
     def _check_table_precision(self) -> None:
         """Master weights and the moment dtype only apply where they change something."""
         rowwise = self.engram_optimizer == "rowwise_adam"
+        if self.engram_table_dtype == "fp8_e4m3":
+            self._check_fp8_tables()
+            return
         if not self.engram_master_weights:
             if self.engram_table_dtype != "bf16":
                 raise ConfigError(
-                    "engram_master_weights=false applies to bf16 tables (an fp32 table is its own "
-                    "master): set engram_table_dtype=bf16 or engram_master_weights=true."
+                    "engram_master_weights=false applies to bf16 and fp8_e4m3 tables (an fp32 "
+                    "table is its own master): set engram_table_dtype=bf16 or "
+                    "engram_master_weights=true."
                 )
             if not rowwise:
                 raise ConfigError(
@@ -372,6 +380,22 @@ class EngramConfig:
                 f"engram_optimizer_state_dtype={self.engram_optimizer_state_dtype!r} needs "
                 f"engram_optimizer=rowwise_adam (got {self.engram_optimizer!r})."
             )
+
+    def _check_fp8_tables(self) -> None:
+        """fp8_e4m3 tables: frozen (no optimizer state at all), or rowwise_adam re-quantizing
+        the rows it updates, without a float32 master."""
+        if self.engram_offload_embedding_optimizer_states:
+            raise ConfigError(
+                "engram_table_dtype=fp8_e4m3 with engram_offload_embedding_optimizer_states: fp8 "
+                "tables keep no master to offload; use engram_table_placement=host instead.")
+        if self.engram_freeze_tables:
+            return
+        if self.engram_optimizer != "rowwise_adam" or self.engram_master_weights:
+            raise ConfigError(
+                f"engram_table_dtype=fp8_e4m3 trains with engram_optimizer=rowwise_adam and "
+                f"engram_master_weights=false only (got {self.engram_optimizer!r}, "
+                f"master {str(self.engram_master_weights).lower()}): set both, or "
+                "engram_freeze_tables=true for fixed tables, or engram_table_dtype=bf16.")
 
 
 def uses_engram(config: Any) -> bool:

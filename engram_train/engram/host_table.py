@@ -119,20 +119,24 @@ def read_host_rows(weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return values
 
 
-def table_bytes_per_param(table_dtype_bytes: int, *, master: bool, optimizer: str = "sparse_adam",
-                          state_dtype_bytes: int = 4, row_width: int = 1) -> float:
-    """Bytes per table parameter of a table with its optimizer state: the value, a float32
-    master (``master``), and the Adam moments: two float32 per element (``sparse_adam``,
+def table_bytes_per_param(table_dtype_bytes: float, *, master: bool, optimizer: str = "sparse_adam",
+                          state_dtype_bytes: int = 4, row_width: int = 1,
+                          frozen: bool = False) -> float:
+    """Bytes per table parameter of a table with its optimizer state: the value (an fp8 table's
+    1 byte plus its E8M0 scale's share), a float32 master (``master``), and the Adam moments:
+    none for ``frozen`` (fp8 tables without state), two float32 per element (``sparse_adam``,
     ``adam``), or a first moment of ``state_dtype_bytes`` per element plus one float32 per row
     of ``row_width`` elements (``rowwise_adam``)."""
-    if optimizer == "rowwise_adam":
+    if frozen:
+        moments = 0.0
+    elif optimizer == "rowwise_adam":
         moments = state_dtype_bytes + 4 / row_width
     else:
         moments = 8
     return table_dtype_bytes + (4 if master else 0) + moments
 
 
-def host_table_bytes(num_params: int, table_dtype_bytes: int, mixed_precision: bool,
+def host_table_bytes(num_params: int, table_dtype_bytes: float, mixed_precision: bool,
                      **options) -> int:
     """Host bytes a host-resident shard of ``num_params`` needs with its optimizer state (a
     float32 master for a low-precision table when ``mixed_precision``; ``options`` as for

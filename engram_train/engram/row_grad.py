@@ -13,6 +13,12 @@ from __future__ import annotations
 
 import torch
 
+from engram_train.engram.fp8_table import (
+    dequantize_rows,
+    is_fp8_table,
+    read_fp8_rows,
+    table_scale,
+)
 from engram_train.engram.host_table import is_host_resident, read_host_rows
 
 ROW_GRAD_ATTR = "engram_row_grad"
@@ -102,7 +108,10 @@ def deliver_row_grad(
     weight: torch.nn.Parameter, rows: torch.Tensor, grad_rows: torch.Tensor
 ) -> torch.Tensor | None:
     """Backward of a table gather: row pairs to the accumulator of an armed table (returns
-    None: no dense gradient), else autograd's dense gradient of the shard."""
+    None: no dense gradient), else autograd's dense gradient of the shard (None for a frozen
+    table: ``requires_grad`` off)."""
+    if not weight.requires_grad:
+        return None
     accumulator = getattr(weight, ROW_GRAD_ATTR, None)
     if accumulator is not None:
         accumulator.add(rows, grad_rows)
@@ -114,7 +123,14 @@ def deliver_row_grad(
 
 def read_rows(weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """``weight[rows]`` on ``rows``' device, through the host staging path for a host-resident
-    table (``engram/host_table.py``). No autograd: callers route the gradient rows."""
+    table (``engram/host_table.py``); an fp8 table's rows dequantized to bfloat16
+    (``engram/fp8_table.py``). No autograd: callers route the gradient rows."""
+    if is_fp8_table(weight):
+        if not is_host_resident(weight):
+            return read_fp8_rows(weight, rows)
+        values = read_host_rows(weight, rows)  # waits for rows an overlapped update changes
+        scale = table_scale(weight).index_select(0, rows.to("cpu")).to(values.device)
+        return dequantize_rows(values, scale)
     if is_host_resident(weight):
         return read_host_rows(weight, rows)
     return torch.nn.functional.embedding(rows, weight.detach())

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from engram_train.engram.fp8_table import FP8_DTYPE, SCALE_ATTR, scale_blocks, store_rows
 from engram_train.engram.ngram_hash import head_offsets
 from engram_train.engram.host_table import is_host_resident, make_host_resident
 from engram_train.engram.row_grad import gather_rows
@@ -142,15 +143,48 @@ class MultiHeadEmbedding(nn.Module):
         )
         if on_host:
             make_host_resident(self.weight)
+        self._host_scale = on_host  # an fp8 table's scales stay with its rows
+        if dtype == FP8_DTYPE:  # E8M0 scales per row and block of 32 columns (fp8_table.py)
+            scale = torch.zeros((row_end - row_start, scale_blocks(self.embedding_dim)),
+                                dtype=torch.uint8, device="cpu" if on_host else device)
+            self.register_buffer("weight_scale", scale)
+            setattr(self.weight, SCALE_ATTR, scale)
         mark_engram_param(self.weight, table=True)
         self.weight.engram_layer_id = self.layer_id  # named in the table optimizer's errors
         self.weight.engram_row_start = self.row_start  # global row ids key stochastic rounding
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        partition_invariant_normal_(
-            self.weight, self.seed, self.layer_id, self.row_start, self.init_std
-        )
+        if self.weight.dtype != FP8_DTYPE:
+            partition_invariant_normal_(
+                self.weight, self.seed, self.layer_id, self.row_start, self.init_std
+            )
+            return
+        if self.weight.is_meta:
+            return
+        # fp8: the same float32 init, quantized (round to nearest even) by blocks of rows
+        rows = self.weight.shape[0]
+        for lo in range(0, rows, 16 * INIT_BLOCK_ROWS):
+            hi = min(rows, lo + 16 * INIT_BLOCK_ROWS)
+            values = torch.empty((hi - lo, self.embedding_dim), dtype=torch.float32)
+            partition_invariant_normal_(
+                values, self.seed, self.layer_id, self.row_start + lo, self.init_std)
+            local = torch.arange(lo, hi, device=self.weight.device)
+            store_rows(self.weight, local, values.to(self.weight.device))
+
+    def _apply(self, fn, recurse: bool = True):
+        """An fp8 table's scales follow its rows: kept in host memory with host placement
+        (as the builder keeps the rows), and re-attached to the parameter after any move."""
+        scale = self._buffers.get("weight_scale")
+        if scale is not None and self._host_scale:
+            self._buffers["weight_scale"] = None
+        out = super()._apply(fn, recurse)
+        if scale is not None:
+            if self._host_scale:
+                self._buffers["weight_scale"] = scale
+            if self._parameters.get("weight") is not None:
+                setattr(self.weight, SCALE_ATTR, self._buffers["weight_scale"])
+        return out
 
     @property
     def is_full_table(self) -> bool:
@@ -234,17 +268,21 @@ class MultiHeadEmbedding(nn.Module):
         else:  # a full table replicated like any megatron tensor outside TP
             shard, num_shards = 0, 1
             replica_id = (0, _rank(tp_group), _rank(dp_cp_group))
-        key = f"{prefix}weight"
-        if self.num_rows % num_shards == 0:
-            state[key] = ShardedTensor.from_rank_offsets(
-                key, self.weight, (0, shard, num_shards), replica_id=replica_id
-            )
-        else:  # uneven shards: no regular grid, placed by global offset
-            state[key] = ShardedTensor(
-                key, self.weight, self.weight.dtype, tuple(self.weight.shape),
-                (self.num_rows, self.embedding_dim), (self.row_start, 0),
-                axis_fragmentations=None, replica_id=replica_id,
-            )
+        tensors = {"weight": self.weight}
+        if "weight_scale" in self._buffers:  # fp8: the scales, sharded like the rows
+            tensors["weight_scale"] = self.weight_scale
+        for name, tensor in tensors.items():
+            key = f"{prefix}{name}"
+            if self.num_rows % num_shards == 0:
+                state[key] = ShardedTensor.from_rank_offsets(
+                    key, tensor, (0, shard, num_shards), replica_id=replica_id
+                )
+            else:  # uneven shards: no regular grid, placed by global offset
+                state[key] = ShardedTensor(
+                    key, tensor, tensor.dtype, tuple(tensor.shape),
+                    (self.num_rows, tensor.shape[1]), (self.row_start, 0),
+                    axis_fragmentations=None, replica_id=replica_id,
+                )
         return state
 
 

@@ -20,7 +20,7 @@ The rows a step touches travel as (row, float32 value) pairs: gradient rows of o
 
 from __future__ import annotations
 
-TABLE_DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+TABLE_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp8_e4m3": 1}  # fp8: plus its scales (table_items)
 TABLE_OPTIMIZER_STEP = {"sparse_adam": 0, "rowwise_adam": 0, "adam": 12.5}
 """Transient bytes per table element during the step: ``adam``'s dense float32 gradient of the
 shard (4) and torch AdamW's temporaries (measured: a first AdamW step on 25M float32 elements
@@ -31,6 +31,8 @@ optimizers touch rows only."""
 def moment_bytes_per_element(config) -> float:
     """Persistent optimizer state per table element (``engram/host_table.table_bytes_per_param``
     is the same rule, per parameter with the value and master)."""
+    if config.engram_table_dtype == "fp8_e4m3" and config.engram_freeze_tables:
+        return 0.0  # fixed data: no optimizer state
     if config.engram_optimizer != "rowwise_adam":
         return 8.0
     first = 2 if config.engram_optimizer_state_dtype == "bf16" else 4
@@ -67,8 +69,12 @@ def table_items(config, elements: int, rows_touched: int) -> list[tuple[str, str
     where = placement_of(placement, offload)
     master_weights = bool(config.engram_master_weights)
     width = config.n_embed_per_ngram // config.n_head_per_ngram
+    table_bytes = elements * TABLE_DTYPE_BYTES[dtype]
+    if dtype == "fp8_e4m3":  # one E8M0 byte per row and block of 32 columns
+        table_bytes += -(-elements * -(-width // 32) // width)
+        master_weights = False
     items = [
-        (f"engram_tables_{dtype}", where["table"], elements * TABLE_DTYPE_BYTES[dtype]),
+        (f"engram_tables_{dtype}", where["table"], table_bytes),
         ("engram_table_moments", where["moments"], int(elements * moment_bytes_per_element(config))),
         ("engram_table_master", where["master"],
          elements * master_bytes_per_element(dtype, offload, placement, master_weights)),

@@ -45,7 +45,12 @@ def build_optimizer(opt_config: OptimizerConfig, model_chunks: list, model_confi
         )
     grad_sync_group, norm_group = table_gradient_groups(model_config)
     table_group = engram_table_param_group(opt_config, model_config)
-    if model_config.engram_freeze_tables:
+    if model_config.engram_freeze_tables and model_config.engram_table_dtype == "fp8_e4m3":
+        # fp8 tables frozen: fixed data, no gradient and no optimizer state (docs/host-tables.md)
+        for table in tables:
+            table.requires_grad_(False)
+        tables = []
+    elif model_config.engram_freeze_tables:
         # The control of engram_freeze_tables: a zero LR at every step keeps the tables at
         # their init while the step still costs what a trained table's does.
         table_group.update(lr=0.0, max_lr=0.0, min_lr=0.0)

@@ -19,19 +19,30 @@ on the touched rows as ``sparse_adam``. Untouched rows do not move.
 Parameters may be bfloat16 (a table without float32 master, ``engram_master_weights: false``):
 the row is updated in float32 and rounded back stochastically with hashed bits
 (``stochastic_rounding.py``), as is a bf16 first moment, so results do not depend on how the
-rows are split over ranks or threads.
+rows are split over ranks or threads. An fp8_e4m3 table (``engram/fp8_table.py``) is
+dequantized row by row, updated in float32 and re-quantized: each updated row gets new E8M0
+scales from its new values, and its elements are rounded to the E4M3 grid stochastically with
+the same hashed bits (stream ``STREAM_VALUE``) a bf16 table uses.
 """
 
 from __future__ import annotations
 
 import torch
 
+from engram_train.engram.fp8_table import (
+    FP8_DTYPE,
+    dequantize_rows,
+    is_fp8_table,
+    store_rows,
+    table_scale,
+)
 from engram_train.errors import InputError
 from engram_train.training.sparse_adam import RowOptimizer
 from engram_train.training.stochastic_rounding import (
     STREAM_MOMENT,
     STREAM_VALUE,
     round_rows_bf16,
+    rounding_bits,
 )
 
 STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -55,8 +66,9 @@ class RowwiseAdam(RowOptimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
         for param in self.params():
-            if param.dtype not in (torch.float32, torch.bfloat16):
-                raise InputError(f"rowwise_adam steps float32 or bfloat16 tables, got {param.dtype}")
+            if param.dtype not in (torch.float32, torch.bfloat16, FP8_DTYPE):
+                raise InputError("rowwise_adam steps float32, bfloat16 or float8_e4m3fn tables, "
+                                 f"got {param.dtype}")
 
     def init_state(self, param: torch.Tensor) -> dict:
         state = self.state[param]
@@ -101,6 +113,12 @@ class RowwiseAdam(RowOptimizer):
                 copy_rows(target, value.reshape(target.shape))
     def _store(self, target: torch.Tensor, rows: torch.Tensor, values: torch.Tensor,
                param: torch.Tensor, step: float, stream: int) -> None:
+        if is_fp8_table(param) and stream == STREAM_VALUE:
+            bits = rounding_bits(self.seed, int(getattr(param, "engram_layer_id", 0)), int(step),
+                                 stream, rows + int(getattr(param, "engram_row_start", 0)),
+                                 values.shape[1])
+            store_rows(param, rows, values, bits)
+            return
         if target.dtype == torch.bfloat16:
             start = int(getattr(param, "engram_row_start", 0))
             values = round_rows_bf16(values, seed=self.seed,
@@ -122,7 +140,10 @@ class RowwiseAdam(RowOptimizer):
         self._store(state["exp_avg"], rows, m, param, step, STREAM_MOMENT)
         step_size = lr / (1 - beta1**step)
         denom = (v.sqrt() / (1 - beta2**step) ** 0.5).add_(eps).unsqueeze(1)
-        value = param.index_select(0, rows).float()
+        value = param.detach().index_select(0, rows)
+        if is_fp8_table(param):
+            value = dequantize_rows(value, table_scale(param).index_select(0, rows), torch.float32)
+        value = value.float()
         if wd:
             value.mul_(1 - lr * wd)
         value.addcdiv_(m, denom.expand_as(m), value=-step_size)

@@ -256,10 +256,17 @@ def engram_table_bytes_per_param(model_config) -> float:
     optimizer moments (``engram/host_table.table_bytes_per_param``)."""
     from engram_train.engram.host_table import table_bytes_per_param
 
-    bf16 = model_config.engram_table_dtype == "bf16"
+    from engram_train.engram.fp8_table import scale_blocks
+
+    dtype = model_config.engram_table_dtype
+    options = _optimizer_state_options(model_config)
+    if dtype == "fp8_e4m3":  # 1 byte and the E8M0 scales; frozen: no optimizer state
+        width = options["row_width"]
+        return table_bytes_per_param(1 + scale_blocks(width) / width, master=False,
+                                     frozen=bool(model_config.engram_freeze_tables), **options)
+    bf16 = dtype == "bf16"
     return table_bytes_per_param(2 if bf16 else 4,
-                                 master=bf16 and model_config.engram_master_weights,
-                                 **_optimizer_state_options(model_config))
+                                 master=bf16 and model_config.engram_master_weights, **options)
 
 
 def _check_host_memory(cfg, model_config, world_size: int) -> None:

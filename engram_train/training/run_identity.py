@@ -182,8 +182,11 @@ def optimizer_state_layout(config) -> str:
 
 def table_storage(config) -> dict:
     """``{"dtype": engram_table_dtype, "master": bool}``: ``master`` when a float32 master of a
-    low-precision table is kept and saved (the optimizer's ``mixed_precision``)."""
+    low-precision table is kept and saved (the optimizer's ``mixed_precision``); fp8 tables
+    (never a master) add ``"frozen"``: frozen ones save no optimizer state."""
     dtype = str(config.engram_table_dtype)
+    if dtype == "fp8_e4m3":
+        return {"dtype": dtype, "master": False, "frozen": bool(config.engram_freeze_tables)}
     master = dtype != "fp32" and bool(config.engram_master_weights)
     return {"dtype": dtype, "master": master}
 
@@ -314,6 +317,9 @@ def _table_state_changes(saved: Mapping, current: Mapping) -> list[str]:
 def _describe_storage(storage: Mapping) -> str:
     if storage["dtype"] == "fp32":
         return "fp32 tables (their own master)"
+    if "frozen" in storage:
+        return f"{storage['dtype']} tables " + ("frozen (no optimizer state)" if storage["frozen"]
+                                                else "trained without float32 master")
     return f"{storage['dtype']} tables " + ("with" if storage["master"] else "without") + " float32 master"
 
 
@@ -322,6 +328,12 @@ def _storage_change(old: Mapping | None, new: Mapping | None) -> str | None:
     checkpoint saved before the storage was recorded)."""
     if not old or not new or dict(old) == dict(new):
         return None
+    if old["dtype"] == new["dtype"] and old.get("frozen") != new.get("frozen"):  # fp8 both
+        was, now = str(old["frozen"]).lower(), str(new["frozen"]).lower()
+        return (f"model.engram_freeze_tables: {was} in the checkpoint, {now} here. The "
+                f"checkpoint holds {_describe_storage(old)}, this run keeps "
+                f"{_describe_storage(new)}: resume with model.engram_freeze_tables={was}, or set "
+                "checkpoint.load_engram=false to keep the backbone and start Engram afresh")
     # engram_master_weights as set: an fp32 table ignores it (true), a bf16 one keeps it iff true
     want = bool(old["master"]) if old["dtype"] != "fp32" else True
     have = bool(new["master"]) if new["dtype"] != "fp32" else True
