@@ -153,11 +153,12 @@ class _GatherTableRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        if len(ctx.saved_tensors) == 1:
-            (rows,) = ctx.saved_tensors
+        saved = ctx.saved_tensors  # read once: torch's non-reentrant checkpoint unpacks once
+        if len(saved) == 1:
+            (rows,) = saved
             grad_rows = grad
         else:
-            rows, owned = ctx.saved_tensors
+            rows, owned = saved
             grad_rows = grad[owned]
         return deliver_row_grad(ctx.weight, rows, grad_rows.contiguous()), None, None
 
