@@ -31,7 +31,7 @@ def test_ranks_agree(results):
 
 
 def test_every_case_keeps_its_state_and_losses(results):
-    assert len(results[0]) == 8
+    assert len(results[0]) == 10
     for name, case in results[0].items():
         assert case["saved"] == ["iter_0000002", "latest_checkpointed_iteration.txt"], name
         assert all(r[name]["state_tensors"] > 200 for r in results), name  # the walk saw the optimizers' state

@@ -1,6 +1,6 @@
 """A checkpoint save never changes the state that training continues with: 2 processes, one
-launch, every Engram table optimizer, table dtype, placement and megatron's distributed
-optimizer.
+launch, every Engram table optimizer, table dtype (fp8 trained and frozen too), placement and
+megatron's distributed optimizer.
 
 For each case two models are built from the same seed. One trains 2 steps, saves (model and
 optimizer, as the trainer does), trains 2 more; the other trains 4 steps without a save. Truth:
@@ -51,6 +51,10 @@ CASES = [  # name, layout, distributed optimizer, Engram overrides
     ("rowwise_adam_bf16_master_offload_distopt", ParallelSizes(engram_embedding=2), True,
      dict(engram_optimizer="rowwise_adam", engram_table_dtype="bf16",
           engram_optimizer_state_dtype="bf16", engram_offload_embedding_optimizer_states=True)),
+    ("fp8_rowwise_adam_host_eps2_distopt", ParallelSizes(engram_embedding=2), True,
+     dict(FOUR_BYTE, engram_table_dtype="fp8_e4m3", engram_table_placement="host")),
+    ("fp8_frozen_device_eps2", ParallelSizes(engram_embedding=2), False,
+     dict(engram_table_dtype="fp8_e4m3", engram_freeze_tables=True)),
 ]
 
 
@@ -75,6 +79,9 @@ def live_state(model, optimizer) -> dict[str, torch.Tensor]:
     for c, chunk in enumerate(model):
         for name, p in chunk.named_parameters():
             out[f"model{c}.{name}"] = p.detach().clone()
+        for name, b in chunk.named_buffers():  # an fp8 table's scales
+            if name.endswith("weight_scale"):
+                out[f"model{c}.{name}"] = b.clone()
     for o, part in enumerate(optimizer.chained_optimizers):
         inner = part.optimizer
         for g, group in enumerate(inner.param_groups):
@@ -97,6 +104,8 @@ def differences(before: dict, after: dict) -> list[str]:
     diffs = sorted(set(before) ^ set(after))
     for key in sorted(set(before) & set(after)):
         a, b = before[key], after[key]
+        if a.dtype == b.dtype == torch.float8_e4m3fn:  # no float8 equal kernel: the bytes
+            a, b = a.view(torch.uint8), b.view(torch.uint8)
         if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a, b):
             diffs.append(key)
     return diffs
