@@ -184,6 +184,24 @@ class DistCheckpointReader:
 
         self.copy_chunks(key, block)
 
+    def read_region(self, key: str, offsets: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
+        """The block ``[offsets, offsets + sizes)`` of tensor `key` in its stored dtype, read
+        from the stored chunks it overlaps (one at a time)."""
+        stored = self.tensors[key]
+        out = torch.empty(tuple(sizes), dtype=stored.dtype)
+        box = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+        items = create_read_items_for_chunk_list(key, self.metadata.state_dict_metadata[key], [box])
+        if sum(_numel(item.lengths) for item in items) != out.numel():
+            raise CheckpointFormatError(f"{key}: the stored chunks do not cover the block at "
+                                        f"{tuple(offsets)} of {tuple(sizes)}")
+        for item in items:
+            view = out
+            for dim, (start, length) in enumerate(zip(item.dest_offsets, item.lengths)):
+                view = view.narrow(dim, start, length)
+            self._reader.read_data(LoadPlan([item]), _IntoBlock(view)).wait()
+            del view
+        return out
+
     def read(self, key: str) -> torch.Tensor:
         """A whole tensor in memory (for small ones)."""
         stored = self.tensors[key]

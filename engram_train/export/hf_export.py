@@ -191,6 +191,13 @@ def export_hf(load, out, *, iteration=None, config=None, tokenizer=None, force=F
     reader = DistCheckpointReader(directory)
     run_config, where = find_run_config(config, root, reader.common_state())
     model = run_config.get("model", run_config)
+    if model.get("model_family") == "deepseek_v41":  # the released V4.1 layout
+        from engram_train.export.v41_hf_export import export_v41_hf
+
+        verify_files(directory, checksums=verify, log=log)
+        return export_v41_hf(out, reader, run_config, where,
+                             _tokenizer_file(tokenizer, run_config, where),
+                             max_shard_bytes=max_shard_bytes, log=log)
     plan = None
     if model.get("use_engram"):
         plan = plan_export(load, iteration=iteration, config=config, tokenizer=tokenizer,

@@ -35,6 +35,7 @@ from engram_train.errors import EngramError
 from engram_train.hf.config_map import HFConfigError, preset_from_hf
 from engram_train.hf.names import UnmappedTensorError, hf_pieces, rope_permutation
 from engram_train.hf.source import HFFolder, HFSourceError
+from engram_train.hf.v41_config_map import is_v41
 
 
 class HFImportError(EngramError, ValueError):
@@ -108,20 +109,28 @@ def _sharded_tensors(model: list) -> list:
     return [v for v in nested_values(state) if isinstance(v, ShardedTensor)]
 
 
+V3_VOCAB_NAMES = ("model.embed_tokens.weight", "lm_head.weight")
+
+
 @torch.no_grad()
-def fill_shard(model: list, folder: HFFolder, doc: dict, vocab: int) -> tuple[set[str], list[str]]:
+def fill_shard(model: list, folder: HFFolder, doc: dict, vocab: int, names=hf_pieces,
+               vocab_names: tuple[str, str] = V3_VOCAB_NAMES) -> tuple[set[str], list[str]]:
     """Copy into this rank's shard of `model` (any TP, EP, PP) the blocks of the folder's
-    tensors that land in it, one block at a time; returns (folder tensors used, warnings)."""
-    tied = bool(doc.get("tie_word_embeddings")) and "lm_head.weight" not in folder
+    tensors that land in it, one block at a time; returns (folder tensors used, warnings).
+    `names(key, shape, rows)`: the folder tensors of a checkpoint tensor (None: kept as
+    built); `vocab_names`: the folder's embedding and output layer."""
+    tied = bool(doc.get("tie_word_embeddings")) and vocab_names[1] not in folder
     hf_rows = int(doc["vocab_size"])
     rows = min(vocab, hf_rows)
     used, warnings = set(), []
     for sh in _sharded_tensors(model):
         key, shape, offset, size = _global_view(sh)
         try:
-            pieces = hf_pieces(key, shape, rows)
+            pieces = names(key, shape, rows)
         except UnmappedTensorError as err:
             raise HFImportError(str(err)) from None
+        if pieces is None:
+            continue
         target = sh.data
         lead = len(size) - target.dim()  # prepended axes (an expert's): size 1, not in the data
         filled = 0
@@ -130,11 +139,10 @@ def fill_shard(model: list, folder: HFFolder, doc: dict, vocab: int) -> tuple[se
             hi = [min(o + n, s + z) for o, n, s, z in zip(offset, size, piece.start, piece.size)]
             if any(h <= low for low, h in zip(lo, hi)):
                 continue
-            source = "model.embed_tokens.weight" if tied and piece.name == "lm_head.weight" else piece.name
+            source = vocab_names[0] if tied and piece.name == vocab_names[1] else piece.name
             if source not in folder:
                 raise HFImportError(f"{folder.folder} has no {source} (megatron {key} needs it)")
-            want = (hf_rows, *piece.shape[1:]) if piece.name in (
-                "model.embed_tokens.weight", "lm_head.weight") else tuple(piece.shape)
+            want = (hf_rows, *piece.shape[1:]) if piece.name in vocab_names else tuple(piece.shape)
             if folder.shape(source) != want:
                 raise HFImportError(f"{source} has shape {folder.shape(source)}, the model built "
                                     f"from config.json needs {tuple(piece.shape)}")
@@ -252,13 +260,11 @@ def import_hf(hf: str | Path, out: str | Path, *, tokenizer: str | Path | None =
     pipeline (torchrun, a multiple of tensor x pipeline processes), and its preset; returns the
     preset file."""
     import torch.distributed as dist
-    from omegaconf import OmegaConf
 
-    from engram_train.checkpoint import has_checkpoints, save_checkpoint
+    from engram_train.checkpoint import has_checkpoints
     from engram_train.data import load_tokenizer
     from engram_train.engram.compressed_tokenizer import resolve_tokenizer_file
     from engram_train.training.run_config import padded_vocab_size
-    from engram_train.training.run_identity import run_identity
 
     log = log or (lambda message: print(f"engram-import-hf: {message}", flush=True))
     started = time.perf_counter()
@@ -268,6 +274,12 @@ def import_hf(hf: str | Path, out: str | Path, *, tokenizer: str | Path | None =
     if has_checkpoints(out):
         raise HFImportError(f"--out {out} already holds checkpoints; choose an empty folder")
     doc = json.loads((hf / "config.json").read_text())
+    if is_v41(doc):  # DeepSeek-V4.1: its own names and preset (v41_import.py)
+        from engram_train.hf.v41_import import import_v41
+
+        return import_v41(hf, out, doc, tokenizer=tokenizer, preset_name=preset_name,
+                          engram_layer_ids=engram_layer_ids, seq_length=seq_length,
+                          tensor=tensor, expert=expert, pipeline=pipeline, log=log)
     try:
         preset = preset_from_hf(doc)
         folder = HFFolder(hf, tuple((doc.get("quantization_config") or {}).get(
@@ -292,10 +304,25 @@ def import_hf(hf: str | Path, out: str | Path, *, tokenizer: str | Path | None =
     check_all_used(folder, used, set(mtp))
     for warning in warnings if dist.get_rank() == 0 else []:
         log(f"warning: {warning}")
+    return write_import(out, hf, model, cfg, config, vocab, section, preset_name,
+                        started, baseline, log)
+
+
+def write_import(out: Path, hf: Path, model: list, cfg, config, vocab: int, section: dict,
+                 preset_name: str, started: float, baseline: int,
+                 log: Callable[[str], None], mapping=None) -> Path:
+    """Save the filled shards as iteration 0 (model only), the preset and the ranks' memory;
+    returns the preset file. `mapping`: the hash mapping of a model with Engram on."""
+    import torch.distributed as dist
+    from omegaconf import OmegaConf
+
+    from engram_train.checkpoint import save_checkpoint
+    from engram_train.training.run_identity import run_identity
+
     save_checkpoint(out, 0, model, None,
                     extra={"consumed_samples": 0, "imported_from": str(hf.resolve()),
                            "run_config": OmegaConf.to_container(cfg, resolve=True)},
-                    run_identity=run_identity(config, vocab))
+                    run_identity=run_identity(config, vocab, mapping))
     shard = sum(p.numel() for chunk in model for p in chunk.parameters())
     memory = {"rank": dist.get_rank(), "shard_parameters": shard, "peak_rss": peak_rss_bytes(),
               "rss_before_build": baseline}

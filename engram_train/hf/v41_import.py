@@ -1,0 +1,131 @@
+"""``engram-import-hf`` of a DeepSeek-V4.1 folder (``importer.import_hf`` hands it over when
+``config.json`` says ``model_type: deepseek_v41``).
+
+The folder is what NeMo Automodel writes for V4.1 unquantized: the composite ``config.json``
+(``text_config``, ``vision_config``) and safetensors under the released names (its state-dict
+adapter's ``to_hf``: ``embed.weight``, ``layers.<i>.attn.wq_a.weight``,
+``layers.<i>.ffn.experts.<e>.w1.weight``, ``layers.<i>.hc_attn_fn``,
+``layers.<i>.engram.embed.weight``, ...; ``v41_names.py``). Each rank builds its shard of the
+V4.1 model as the trainer does for the layout (TP x EP; the model's own refusals apply, e.g.
+pipeline parallelism while V4.1 runs one stage) and reads only the blocks of the folder's
+tensors that land in it (``importer.fill_shard``: safetensors ``get_slice``, one block at a
+time). The preset (``model_family: deepseek_v41``, the folder's shapes, Engram on with the
+folder's Engram fields: V4.1 ships its tables) goes to ``CKPT_DIR/conf/model/NAME.yaml``.
+
+Skipped with one line saying how many: the DSpark/MTP draft (``mtp.*``) and the vision side
+(``vision.*``, ``aligner.*``, ``image_*``, the routers' ``bias_vl``). Refused in one line: a
+quantized folder (FP8/FP4 weights with ``.scale`` tensors: not read yet), a tensor the model
+has no place for, a tensor the model needs that the folder lacks, a shape that differs from
+the one ``config.json`` implies, and Engram fields the tokenizer contradicts.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from engram_train.hf.config_map import HFConfigError
+from engram_train.hf.importer import (
+    HFImportError,
+    _run_config,
+    build_shard,
+    check_all_used,
+    fill_shard,
+    peak_rss_bytes,
+    write_import,
+)
+from engram_train.hf.source import HFFolder, HFSourceError
+from engram_train.hf.v41_config_map import text_config, v41_preset_from_hf
+from engram_train.hf.v41_names import skipped_kind, v41_pieces
+
+VOCAB_NAMES = ("embed.weight", "head.weight")
+FLOAT_DTYPES = {"F32", "BF16", "F16", "F64"}
+
+
+def _skipped(folder: HFFolder) -> dict[str, list[str]]:
+    kinds: dict[str, list[str]] = {"mtp": [], "vision": []}
+    for name in folder.names():
+        kind = skipped_kind(name)
+        if kind:
+            kinds[kind].append(name)
+    return kinds
+
+
+def check_unquantized(folder: HFFolder, skip: set[str]) -> None:
+    """Every tensor the import reads is a float (the header's dtype, no data read)."""
+    for name in folder.files:
+        if name in skip:
+            continue
+        dtype = folder._handle(folder.files[name]).get_slice(name).get_dtype()
+        if dtype not in FLOAT_DTYPES:
+            raise HFImportError(
+                f"{name} is stored as {dtype}: quantized DeepSeek-V4.1 folders (FP8/FP4 weights "
+                "with .scale tensors) are not imported yet; give an unquantized (bf16/float32) "
+                "folder")
+
+
+def check_engram_tokenizer(text: dict, tokenizer_file: Path) -> None:
+    """The folder's compressed Engram vocabulary is the tokenizer's (the hash depends on it)."""
+    if not text.get("engram_layer_ids"):
+        return
+    from engram_train.engram.compressed_tokenizer import CompressedTokenizer
+
+    size = len(CompressedTokenizer(tokenizer_file))
+    want = text.get("engram_compressed_vocab_size")
+    if want is not None and int(want) != size:
+        raise HFImportError(
+            f"config.json text_config.engram_compressed_vocab_size={want}, the tokenizer "
+            f"{tokenizer_file} compresses to {size}: the Engram hash needs the folder's own "
+            "tokenizer (--tokenizer)")
+
+
+def import_v41(hf: Path, out: Path, doc: dict, *, tokenizer=None, preset_name: str = "hf_import",
+               engram_layer_ids=None, seq_length: int = 4096, tensor: int = 1, expert: int = 1,
+               pipeline: int = 1, log: Callable[[str], None] | None = None) -> Path:
+    """`importer.import_hf` for a V4.1 folder (module docstring); returns the preset file."""
+    import torch.distributed as dist
+
+    from engram_train.data import load_tokenizer
+    from engram_train.engram.compressed_tokenizer import resolve_tokenizer_file
+    from engram_train.training.run_config import padded_vocab_size
+
+    log = log or (lambda message: print(f"engram-import-hf: {message}", flush=True))
+    started = time.perf_counter()
+    if engram_layer_ids is not None:
+        raise HFImportError("--engram-layer-ids: a DeepSeek-V4.1 folder ships its Engram layers "
+                            "(config.json text_config.engram_layer_ids); drop the option")
+    try:
+        section = v41_preset_from_hf(doc)
+        text = text_config(doc)
+        folder = HFFolder(hf)
+    except (HFConfigError, HFSourceError) as err:
+        raise HFImportError(str(err)) from None
+    skipped = _skipped(folder)
+    skip = {name for names in skipped.values() for name in names}
+    check_unquantized(folder, skip)
+    tokenizer_file = resolve_tokenizer_file(tokenizer or hf, field="--tokenizer")
+    check_engram_tokenizer(text, tokenizer_file)
+    vocab = padded_vocab_size(load_tokenizer(tokenizer_file).vocab_size, tensor)
+    cfg = _run_config(section, tokenizer_file, seq_length, tensor, expert, pipeline)
+    baseline = peak_rss_bytes()
+    config, model = build_shard(cfg, vocab)
+    fields = {"vocab_size": int(text["vocab_size"]), "tie_word_embeddings": False}
+    used, warnings = fill_shard(model, folder, fields, vocab, names=v41_pieces,
+                                vocab_names=VOCAB_NAMES)
+    folder.close()
+    check_all_used(folder, used, skip)
+    if dist.get_rank() == 0:
+        if skip:
+            log(f"skipped {len(skipped['mtp'])} mtp.* tensors (the DSpark/MTP draft) and "
+                f"{len(skipped['vision'])} vision tensors (vision.*, aligner.*, image_*, "
+                "ffn.gate.bias_vl), which the text model does not hold")
+        for warning in warnings:
+            log(f"warning: {warning}")
+    mapping = None
+    if config.use_engram:  # the run identity records the Engram hash
+        from engram_train.engram.variant import build_hash_mapping
+
+        mapping = build_hash_mapping(config)
+    return write_import(out, hf, model, cfg, config, vocab, section, preset_name, started,
+                        baseline, log, mapping)
