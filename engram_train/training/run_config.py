@@ -175,18 +175,15 @@ def _check_pipeline(cfg, p: ParallelSizes, dp: int) -> None:
 
 
 def _check_model_family_layout(cfg, p: ParallelSizes) -> None:
-    """DeepSeek-V4.1 runs data-parallel, its heads over TP ranks (with sequence parallelism),
-    its routed experts over EP ranks and its Engram tables over eps ranks (docs/deepseek-v41.md 'Layouts'), nothing wider for now: its CSA2 state does not
-    cross pipeline stages yet, its compressed runs are not split over context-parallel ranks,
-    and its layers have no recompute path."""
+    """DeepSeek-V4.1 runs data-, tensor- (with sequence parallelism), expert-, pipeline- and
+    Engram-embedding-parallel, with or without recompute (docs/deepseek-v41.md 'Layouts'); not
+    context-parallel (its CSA2 compressed runs and its sliding window would need the keys of
+    the other ranks' chunks) nor on a virtual pipeline (its stages hold one share each)."""
     if preset_family(cfg.model) != DEEPSEEK_V41:
         return
-    sizes = {"pipeline_model_parallel_size": p.pipeline, "context_parallel_size": p.context}
-    wider = [f"system.{k}={v}" for k, v in sizes.items() if v > 1]
+    wider = [f"system.context_parallel_size={p.context}"] if p.context > 1 else []
     if p.virtual_pipeline is not None:
         wider.append(f"system.virtual_pipeline_model_parallel_size={p.virtual_pipeline}")
-    if cfg.system.recompute_granularity is not None:
-        wider.append(f"system.recompute_granularity={cfg.system.recompute_granularity}")
     if cfg.data.reset_position_ids:
         raise ConfigError(
             "data.reset_position_ids=true with model_family=deepseek_v41: its positions are the "
@@ -194,10 +191,10 @@ def _check_model_family_layout(cfg, p: ParallelSizes) -> None:
     if wider:
         raise ConfigError(
             f"{', '.join(wider)} with model_family=deepseek_v41: V4.1 trains data-, tensor- "
-            "(with sequence parallelism), expert- and Engram-embedding-parallel only for now "
-            "(the CSA2 state between layers is not carried across pipeline stages, its "
-            "compressed runs are not split over context-parallel ranks, no recompute path); set "
-            "them to 1 / null (docs/deepseek-v41.md 'Layouts')")
+            "(with sequence parallelism), expert-, pipeline- and Engram-embedding-parallel, "
+            "not context-parallel (its CSA2 compressed runs and sliding window are not split "
+            "over context-parallel ranks) nor on a virtual pipeline; set them to 1 / null "
+            "(docs/deepseek-v41.md 'Layouts')")
 
 
 def _check_tensor_and_expert_parallel(cfg, p: ParallelSizes) -> None:

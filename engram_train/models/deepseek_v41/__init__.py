@@ -13,7 +13,9 @@ on two layers (``engram.v41_engram_module``).
 - ``v41_layer``: one layer in plain torch (streams, float32 ``pre`` and CSA2 state in and out);
 - ``v41_config``: a V4.1 preset as the project's megatron config (``DeepseekV41ModelConfig``);
 - ``v41_model``: the megatron-core language model the builder builds for
-  ``model_family: deepseek_v41`` (``DeepseekV41GPTModel``).
+  ``model_family: deepseek_v41`` (``DeepseekV41GPTModel``);
+- ``v41_pipeline``: a pipeline stage's layers and the tensor one stage hands the next;
+- ``v41_sharding``: the model's checkpoint view (sharded tensors, global layer ids).
 
 Tensors are sequence-first (``[s, b, h]``; streams ``[s, b, n, h]``), as megatron's. Each block
 is checked against NeMo Automodel 0.7.0's ``deepseek_v41`` in float32 on the CPU

@@ -39,6 +39,7 @@ from engram_train.models.deepseek_v41.v41_csa import (
     DeepseekV41Compressor,
     DeepseekV41Indexer,
 )
+from engram_train.models.deepseek_v41.v41_hyper_connection import recomputed
 from engram_train.models.deepseek_v41.v41_primitives import (
     DeepseekV41RMSNorm,
     apply_rope,
@@ -124,11 +125,14 @@ class DeepseekV41Attention(nn.Module):
     ``params_dtype``; `dtype` is that of the others), `tp_group` their group.
     ``forward(x, state, valid)`` takes ``x [s, b, hidden]``, the `CSAState` the previous layer
     returned (a fresh one before layer 0) and optional ``valid [s, b]`` bool; it returns
-    ``(y [s, b, hidden], state)``."""
+    ``(y [s, b, hidden], state)``. `recompute_core_attention`: the softmax over the keys
+    (`_attend`) keeps only its inputs and runs again in the backward (selective recompute's
+    ``core_attn``)."""
 
     def __init__(self, args, layer_id: int, config, tp_group=None, device=None,
-                 dtype: torch.dtype | None = None):
+                 dtype: torch.dtype | None = None, recompute_core_attention: bool = False):
         super().__init__()
+        self.recompute_core_attention = bool(recompute_core_attention)
         tp = self.tp = tensor_parallel_size(tp_group)
         self.tp_group = tp_group
         _check_tensor_parallel(args, config, tp)
@@ -203,7 +207,8 @@ class DeepseekV41Attention(nn.Module):
         mask = self._mask(s, b, x.device, state, valid)
         if self.ratio:
             kv = torch.cat((kv, state.compressed_kv), dim=0)
-        attended = self._attend(query, kv, mask)
+        attended = (recomputed(self._attend, query, kv, mask) if self.recompute_core_attention
+                    else self._attend(query, kv, mask))
         return self._output(attended, angles, valid), state
 
     def _compressed_state(self, x, query_latent, frequencies, angles, state: CSAState,

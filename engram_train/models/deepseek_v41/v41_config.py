@@ -10,6 +10,11 @@ Engram fields under the project's names (``engram.variant`` maps them onto V4.1'
 megatron fields the rest of the project reads (``num_layers``, ``num_moe_experts``,
 ``layernorm_epsilon``, ...) are derived from V4.1's (`megatron_fields`); a megatron field the
 preset gives itself is refused, so each size has one name.
+
+Under a pipeline (``pipeline_model_parallel_size > 1``) the stages exchange float32 tensors
+whose shape megatron's schedules learn per message (``pipeline_dtype`` float32,
+``variable_seq_lengths``: ``v41_pipeline.py``). Selective recompute takes the modules of
+`SELECTIVE_MODULES`.
 """
 
 from __future__ import annotations
@@ -73,12 +78,44 @@ class DeepseekV41ModelConfig(EngramTransformerConfig):
             raise ConfigError("enable_hyper_connections=true with model_family=deepseek_v41: "
                               "V4.1 has its own single-pass mHC (hc_mult streams); drop it.")
         given, self.engram_hc_mult = self.engram_hc_mult, None  # the project mHC's rule: 1
+        mhc = self.recompute_modules is not None and "mhc" in self.recompute_modules
+        if mhc:  # V4.1's own mHC, always recomputed; the project mHC's rule refuses the name
+            self.recompute_modules = [m for m in self.recompute_modules if m != "mhc"]
+        if self.pipeline_model_parallel_size > 1:  # the stage boundary (v41_pipeline.py)
+            self.pipeline_dtype = torch.float32
         super().__post_init__()
+        if mhc:
+            self.recompute_modules = [*self.recompute_modules, "mhc"]
+        selective_recompute(self)
+        if self.pipeline_model_parallel_size > 1:
+            # megatron refuses variable_seq_lengths with its allgather token dispatcher, which
+            # V4.1's own MoE does not use: set after megatron's checks
+            self.variable_seq_lengths = True
         streams = self.deepseek_v41.hc_mult
         if given not in (None, streams):
             raise ConfigError(f"engram_hc_mult={given} with hc_mult={streams}: V4.1's Engram "
                               "takes one key per mHC stream; leave engram_hc_mult unset.")
         self.engram_hc_mult = streams
+
+
+SELECTIVE_MODULES = ("core_attn", "moe", "mhc")
+"""The ``recompute_modules`` V4.1 recomputes under ``recompute_granularity=selective``:
+``core_attn`` the softmax over the window and the selected compressed keys (its float32
+``[b, heads, s, keys]`` logits and probabilities), ``moe`` the whole MoE sublayer, ``mhc`` the
+mHC mappings and collapses (always recomputed in V4.1: ``v41_hyper_connection.recomputed``)."""
+
+
+def selective_recompute(config) -> frozenset[str]:
+    """The modules a layer recomputes (`SELECTIVE_MODULES`; none unless ``selective``); a
+    module V4.1 has no recompute for is refused, naming it."""
+    if config.recompute_granularity != "selective":
+        return frozenset()
+    modules = frozenset(config.recompute_modules or ())
+    unknown = sorted(modules - set(SELECTIVE_MODULES))
+    if unknown:
+        raise ConfigError(f"recompute_modules {unknown} with model_family=deepseek_v41: its "
+                          f"selective recompute covers {list(SELECTIVE_MODULES)}.")
+    return modules
 
 
 _OWN = (set(V41_FIELDS) | {f.name for f in dataclasses.fields(EngramConfig)}

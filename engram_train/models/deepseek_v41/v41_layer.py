@@ -28,6 +28,7 @@ from engram_train.models.deepseek_v41.v41_hyper_connection import (
     DeepseekV41HyperConnection,
     collapse,
     expand,
+    recomputed,
 )
 from engram_train.models.deepseek_v41.v41_moe import DeepseekV41MoE
 from engram_train.models.deepseek_v41.v41_primitives import DeepseekV41RMSNorm
@@ -35,20 +36,24 @@ from engram_train.models.deepseek_v41.v41_primitives import DeepseekV41RMSNorm
 
 class DeepseekV41Layer(nn.Module):
     """Layer `layer_id` of the backbone (module docstring). `engram`, when given, is the
-    layer's ``engram.v41_engram_module.DeepseekV41Engram`` (its hash ids go to forward)."""
+    layer's ``engram.v41_engram_module.DeepseekV41Engram`` (its hash ids go to forward);
+    `recompute` the selective recompute's modules (``v41_config.selective_recompute``)."""
 
     def __init__(self, args, layer_id: int, config, tp_group=None, engram: nn.Module | None = None,
-                 device=None, dtype: torch.dtype | None = None):
+                 device=None, dtype: torch.dtype | None = None,
+                 recompute: frozenset[str] = frozenset()):
         super().__init__()
         factory = {"device": device, "dtype": dtype}
         self.layer_id = int(layer_id)
         self.engram = engram
+        self.recompute_moe = "moe" in recompute
         hc = dict(hidden_size=args.hidden_size, hc_mult=args.hc_mult,
                   sinkhorn_iters=args.hc_sinkhorn_iters, hc_eps=args.hc_eps,
                   norm_eps=args.rms_norm_eps, init_std=args.initializer_range, device=device)
         self.attn_hc = DeepseekV41HyperConnection(**hc)
         self.attn_norm = DeepseekV41RMSNorm(args.hidden_size, args.rms_norm_eps, **factory)
-        self.attn = DeepseekV41Attention(args, layer_id, config, tp_group, **factory)
+        self.attn = DeepseekV41Attention(args, layer_id, config, tp_group, **factory,
+                                         recompute_core_attention="core_attn" in recompute)
         self.ffn_hc = DeepseekV41HyperConnection(**hc)
         self.ffn_norm = DeepseekV41RMSNorm(args.hidden_size, args.rms_norm_eps, **factory)
         self.ffn = DeepseekV41MoE(args, config, tp_group, **factory)
@@ -70,5 +75,7 @@ class DeepseekV41Layer(nn.Module):
         streams = expand(attended, streams, mix)
         pre = mix.pre
         mix = self.ffn_hc(streams)
-        moe_out = self.ffn(self.ffn_norm(collapse(streams, pre)), valid)
+        normed = self.ffn_norm(collapse(streams, pre))
+        moe_out = recomputed(self.ffn, normed, valid) if self.recompute_moe else self.ffn(
+            normed, valid)
         return expand(moe_out, streams, mix), mix.pre, state

@@ -22,9 +22,12 @@ accepted and not read (``data.reset_position_ids=true`` is refused for V4.1 by t
 Data-parallel, the heads over tensor-parallel ranks with sequence parallelism (the attention
 gathers the sequence; `_mark_sequence_parallel`), the routed experts over expert-parallel ranks
 (``v41_expert_parallel.py``), the Engram tables over embedding-parallel ranks (the trainer's
-lookup method, ``parallel/lookup.py``; the checkpoint view in ``v41_sharding.py``); pipeline
-and context parallelism and TP together with EP are refused when the run config is checked
-(``training/run_config.py``): the CSA2 state does not cross pipeline stages yet.
+lookup method, ``parallel/lookup.py``; the checkpoint view in ``v41_sharding.py``), the layers
+over pipeline stages (each stage its even share; what a layer hands the next crosses the
+boundary whole, ``v41_pipeline.py``). Recompute: ``full`` re-runs chunks of layers in the
+backward (`full_recompute_chunks`), ``selective`` the modules of ``recompute_modules``
+(``v41_config.selective_recompute``). Context parallelism and a virtual pipeline are refused
+when the run config is checked (``training/run_config.py``).
 
 Under bf16 the float32 parts keep their dtype (``keep_fp32``, held out of ``Float16Module``'s
 cast by the builder): the mHC mappings (``attn_hc``/``ffn_hc``), the attention sinks and the
@@ -35,18 +38,27 @@ keeps it float32): a difference under bf16 only.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.enums import ModelType
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.models.common.language_module.language_module import LanguageModule
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from engram_train.config import uses_engram
 from engram_train.errors import ConfigError, InputError
 from engram_train.models.deepseek_v41.v41_csa import CSAState
 from engram_train.models.deepseek_v41.v41_hyper_connection import collapse, first_pre
+from engram_train.models.deepseek_v41.v41_config import selective_recompute
 from engram_train.models.deepseek_v41.v41_layer import DeepseekV41Layer
+from engram_train.models.deepseek_v41.v41_pipeline import (
+    pack_boundary,
+    stage_layer_ids,
+    unpack_boundary,
+)
 from engram_train.models.deepseek_v41.v41_primitives import DeepseekV41RMSNorm
 from engram_train.models.deepseek_v41.v41_sharding import DeepseekV41Layers
 
@@ -80,29 +92,30 @@ class DeepseekV41GPTModel(LanguageModule):
                  share_embeddings_and_output_weights: bool = False,
                  position_embedding_type: str = "rope", vp_stage: int | None = None) -> None:
         super().__init__(config=config)
-        if not (pre_process and post_process) or vp_stage not in (None, 0):
-            raise ConfigError("model_family=deepseek_v41 runs one pipeline stage for now "
-                              "(pipeline_model_parallel_size=1).")
         if share_embeddings_and_output_weights:
             raise ConfigError("DeepSeek-V4.1 has an untied output layer.")
         del position_embedding_type  # V4.1's RoPE lives in its attention
         args = self.args = config.deepseek_v41
-        self.pre_process = self.post_process = True
+        self.pre_process, self.post_process = bool(pre_process), bool(post_process)
         self.model_type = ModelType.encoder_or_decoder
         self.share_embeddings_and_output_weights = False
         self.vocab_size, self.max_sequence_length = int(vocab_size), int(max_sequence_length)
-        self.vp_stage = vp_stage
-        self.embedding = LanguageModelEmbedding(config, vocab_size, max_sequence_length,
-                                                position_embedding_type="rope")
-        dtype = config.params_dtype
+        self.vp_stage, self.input_tensor = vp_stage, None
+        if self.pre_process:
+            self.embedding = LanguageModelEmbedding(config, vocab_size, max_sequence_length,
+                                                    position_embedding_type="rope")
+        dtype, selective = config.params_dtype, selective_recompute(config)
         self.layers = DeepseekV41Layers(
-            DeepseekV41Layer(args, i, config, engram=_engram_branch(config, i), dtype=dtype)
-            for i in range(args.num_hidden_layers))
-        self.final_norm = DeepseekV41RMSNorm(args.hidden_size, args.rms_norm_eps, dtype=dtype)
-        self.output_layer = tensor_parallel.ColumnParallelLinear(
-            args.hidden_size, vocab_size, config=config, init_method=config.init_method,
-            bias=False, skip_bias_add=False, gather_output=False)
-        self.output_layer.weight.data = self.output_layer.weight.data.float()
+            DeepseekV41Layer(args, i, config, engram=_engram_branch(config, i), dtype=dtype,
+                             recompute=selective)
+            for i in stage_layer_ids(args.num_hidden_layers, vp_stage))
+        if self.post_process:
+            self.final_norm = DeepseekV41RMSNorm(args.hidden_size, args.rms_norm_eps,
+                                                 dtype=dtype)
+            self.output_layer = tensor_parallel.ColumnParallelLinear(
+                args.hidden_size, vocab_size, config=config, init_method=config.init_method,
+                bias=False, skip_bias_add=False, gather_output=False)
+            self.output_layer.weight.data = self.output_layer.weight.data.float()
         self._mark_float32()
         self._mark_sequence_parallel()
         self.setup_embeddings_and_output_layer()
@@ -129,8 +142,11 @@ class DeepseekV41GPTModel(LanguageModule):
                 param.sequence_parallel = True
 
     def set_input_tensor(self, input_tensor) -> None:
-        """megatron's schedules call it on every stage; one stage takes no input tensor."""
-        del input_tensor
+        """megatron's schedules call it on every stage before the forward: after the first
+        stage, the previous stage's boundary tensor (``v41_pipeline``)."""
+        if isinstance(input_tensor, (list, tuple)):
+            input_tensor = input_tensor[0] if input_tensor else None
+        self.input_tensor = input_tensor
 
     def _layer_hash_ids(self, engram_hash_ids, layer: DeepseekV41Layer):
         """``[s, b, K]`` hash ids of `layer`'s Engram (None without one): from the micro-batch's
@@ -148,7 +164,7 @@ class DeepseekV41GPTModel(LanguageModule):
                 raise InputError(f"the hash block has {len(engram_hash_ids)} slices for "
                                  f"engram_layer_ids={layer_ids}: one per Engram layer.")
             ids = engram_hash_ids[layer_ids.index(layer.layer_id)]
-        ids = torch.as_tensor(ids, device=self.output_layer.weight.device).transpose(0, 1)
+        ids = torch.as_tensor(ids, device=layer.attn_hc.fn.device).transpose(0, 1)
         if self.config.sequence_parallel:  # this TP rank's sequence slice
             tp = parallel_state.get_tensor_model_parallel_world_size()
             share = ids.shape[0] // tp
@@ -160,20 +176,58 @@ class DeepseekV41GPTModel(LanguageModule):
                 attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 engram_hash_ids=None, **unused) -> torch.Tensor:
         """``input_ids [b, s]`` -> logits ``[b, s, vocab / tp]`` float32, or with `labels`
-        ``[b, s]`` the per-token loss ``[b, s]`` (megatron's ``GPTModel`` contract)."""
+        ``[b, s]`` the per-token loss ``[b, s]`` (megatron's ``GPTModel`` contract); before
+        the last pipeline stage, the boundary tensor for the next (``v41_pipeline``)."""
         del position_ids, attention_mask
         given = sorted(k for k, v in unused.items() if v is not None)
         if given:  # e.g. engram_token_mask: dead tokens are not supported by this model yet
             raise InputError(f"DeepseekV41GPTModel.forward does not take {given} yet.")
-        x = self.embedding(input_ids=input_ids, position_ids=None)  # [s, b, h]
-        n = self.args.hc_mult
-        streams = x.unsqueeze(2).expand(-1, -1, n, -1)
-        pre, state = first_pre(streams), CSAState()
-        for layer in self.layers:
-            streams, pre, state = layer(streams, pre, state,
-                                        hash_ids=self._layer_hash_ids(engram_hash_ids, layer))
+        if self.pre_process:
+            x = self.embedding(input_ids=input_ids, position_ids=None)  # [s, b, h]
+            streams = x.unsqueeze(2).expand(-1, -1, self.args.hc_mult, -1)
+            pre, state = first_pre(streams), CSAState()
+        else:
+            streams, pre, state = unpack_boundary(self.input_tensor)
+        streams, pre, state = self._layers_forward(streams, pre, state, engram_hash_ids)
+        if not self.post_process:
+            return pack_boundary(streams, pre, state, self.args.hidden_size)
         hidden = self.final_norm(collapse(streams, pre))
         logits, _ = self.output_layer(hidden.float())
         if labels is None:
             return logits.transpose(0, 1).contiguous()
         return self.compute_language_model_loss(labels, logits)
+
+    def _layers_forward(self, streams, pre, state, engram_hash_ids):
+        """This stage's layers; under ``recompute_granularity=full`` the chunks of
+        `full_recompute_chunks` keep only their inputs and run again in the backward."""
+        layers = list(self.layers)
+        hash_ids = [self._layer_hash_ids(engram_hash_ids, layer) for layer in layers]
+        for start, stop, recompute in full_recompute_chunks(self.config, len(layers)):
+            run = functools.partial(_run_layers, layers[start:stop], hash_ids[start:stop])
+            if recompute and torch.is_grad_enabled():
+                streams, pre, state = checkpoint(run, streams, pre, state, use_reentrant=False)
+            else:
+                streams, pre, state = run(streams, pre, state)
+        return streams, pre, state
+
+
+def _run_layers(layers, hash_ids, streams, pre, state):
+    for layer, ids in zip(layers, hash_ids):
+        streams, pre, state = layer(streams, pre, state, hash_ids=ids)
+    return streams, pre, state
+
+
+def full_recompute_chunks(config, num_layers: int) -> list[tuple[int, int, bool]]:
+    """``(start, stop, recompute)`` over a stage's `num_layers` layers, as megatron's
+    ``TransformerBlock._checkpointed_forward`` chunks them (megatron-core 0.16.1 / 0.19.2):
+    ``uniform``, every run of ``recompute_num_layers`` layers recomputed as one; ``block``,
+    the first ``recompute_num_layers`` layers each recomputed, the others not. torch's
+    non-reentrant checkpoint (which takes the CSA2 state as it is) in place of megatron's
+    reentrant one (tensors only); V4.1 has no dropout outside its attention, whose random
+    state torch's checkpoint restores."""
+    if config.recompute_granularity != "full":
+        return [(0, num_layers, False)]
+    size = int(config.recompute_num_layers)
+    if config.recompute_method == "uniform":
+        return [(i, min(i + size, num_layers), True) for i in range(0, num_layers, size)]
+    return [(i, i + 1, i < size) for i in range(num_layers)]

@@ -40,12 +40,19 @@ def recursive_sharded_state_dict(module: nn.Module, prefix: str = "",
     return state
 
 
-class ShardedChildren:
-    """Mixin for the model's plain modules: ``sharded_state_dict`` as the module docstring."""
+class DeepseekV41Layers(nn.ModuleList):
+    """The model's layer list: state dict keys ``layers.<i>.…`` with i the stage's own index,
+    as a plain ``ModuleList``; checkpoint keys with the layer's global id (``layer_id``), so
+    that a checkpoint saved on pipeline stages loads on one (as megatron's
+    ``TransformerBlock.sharded_state_dict``, megatron-core 0.16.1 / 0.19.2)."""
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
-        return recursive_sharded_state_dict(self, prefix, sharded_offsets, metadata)
+        from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
 
-
-class DeepseekV41Layers(ShardedChildren, nn.ModuleList):
-    """The model's layer list (state dict keys ``layers.<i>.…`` as a plain ``ModuleList``)."""
+        state: dict = {}
+        for index, layer in enumerate(self):
+            local = f"{prefix}{index}."
+            part = recursive_sharded_state_dict(layer, local, sharded_offsets, metadata)
+            replace_prefix_for_sharding(part, local, f"{prefix}{layer.layer_id}.")
+            state.update(part)
+        return state
