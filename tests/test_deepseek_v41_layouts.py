@@ -1,7 +1,12 @@
-"""DeepSeek-V4.1 (``model=deepseek_v41_tiny``, Engram on layers 1 and 3) in the layouts the
-trainer runs it in, against one process: the same losses within 1e-5 over 5 steps at lr 3e-4,
-every run loading one checkpoint that one process saved after one step (docs/deepseek-v41.md
-'Layouts').
+"""DeepSeek-V4.1 (``model=deepseek_v41_tiny`` with one more layer, 8: two pipeline stages split
+them evenly) in the layouts the trainer runs it in, against one process: the same losses within
+1e-5 over 5 steps at lr 3e-4, every run loading one checkpoint that one process saved after one
+step (docs/deepseek-v41.md 'Layouts').
+
+The 8 layers: 0 window; 1 full (ratio 2); 2 reindex; 3 full (ratio 1), the candidate source;
+4, 5 reuse; 6 reindex inside the candidates; 7 reuse; Engram on layers 1 and 5. Two pipeline
+stages split them after layer 3, so every field of the CSA2 state (compressed KV, index keys,
+selection, candidates) crosses the boundary, and each stage has an Engram layer.
 
 The comparisons run with ``model.fake_quantize=false``: the released caches' FP8/FP4 rounding
 turns float-order differences of 1e-7 (a micro-batch split at one process is enough) into
@@ -20,11 +25,16 @@ import pytest
 
 from launch import REPO, free_port, run_process
 
+EIGHT_LAYERS = ("model.num_hidden_layers=8", "model.compress_ratios=[0,2,2,1,1,1,1,1]",
+                "model.kv_source_layer_ids=[1,3]", "model.index_source_layer_ids=[1,2,3,6]",
+                "model.candidate_source_layer_id=3", "model.engram_layer_ids=[1,5]")
 COMMON = ("model=deepseek_v41_tiny", "train.global_batch_size=4", "train.micro_batch_size=2",
           "train.seq_length=64", "train.log_interval=1", "train.eval_interval=null",
           "train.lr=3e-4", "train.min_lr=3e-4", "train.lr_warmup_iters=0",
-          "train.lr_decay_style=constant", "train.lr_decay_iters=6")
+          "train.lr_decay_style=constant", "train.lr_decay_iters=6", *EIGHT_LAYERS)
 STEPS = 5
+SELECTIVE = ("system.recompute_granularity=selective",
+             "system.recompute_modules=[core_attn,moe,mhc]")
 LAYOUTS = {  # name: (processes, overrides)
     "one": (1, ()),
     "eps2": (2, ("+model.engram_embedding_parallel_size=2",)),
@@ -33,7 +43,11 @@ LAYOUTS = {  # name: (processes, overrides)
     "tp2_ep2_eps2": (4, ("system.tensor_model_parallel_size=2", "system.sequence_parallel=true",
                          "system.expert_model_parallel_size=2",
                          "+model.engram_embedding_parallel_size=2")),
+    "pp2": (2, ("system.pipeline_model_parallel_size=2", *SELECTIVE)),
 }
+ON_ONE = 2
+"""Steps one process trains from the PP2 run's last checkpoint (with full recompute): "one"
+trains them too, from where the layouts stop."""
 
 
 def trainer(nproc: int, exp, *overrides: str) -> dict[int, float]:
@@ -53,19 +67,25 @@ def trainer(nproc: int, exp, *overrides: str) -> dict[int, float]:
 def losses(tmp_path_factory):
     root = tmp_path_factory.mktemp("v41_layouts")
     trainer(1, root / "start", "train.train_iters=1", f"checkpoint.save={root / 'ckpt'}")
-    resume = (f"train.train_iters={1 + STEPS}", f"checkpoint.load={root / 'ckpt'}",
-              "+model.fake_quantize=false")
+    resume = (f"checkpoint.load={root / 'ckpt'}", "+model.fake_quantize=false")
     runs = {name: trainer(nproc, root / name, *resume, *extra,
+                          f"train.train_iters={1 + STEPS + (ON_ONE if name == 'one' else 0)}",
                           f"checkpoint.save={root / name / 'ckpt'}")
             for name, (nproc, extra) in LAYOUTS.items()}
+    runs["pp2_on_one"] = trainer(  # the PP2 checkpoint on one process, full recompute
+        1, root / "pp2_on_one", f"checkpoint.load={root / 'pp2' / 'ckpt'}",
+        "+model.fake_quantize=false", f"train.train_iters={1 + STEPS + ON_ONE}",
+        "system.recompute_granularity=full", "system.recompute_num_layers=2")
     print("DeepSeek-V4.1 layouts, lm loss per step:", json.dumps(runs))
     runs["root"] = root
     return runs
 
 
-def max_difference(a: dict[int, float], b: dict[int, float]) -> float:
-    assert sorted(a) == sorted(b) == list(range(2, 2 + STEPS))
-    return max(abs(a[i] - b[i]) for i in a)
+def max_difference(a: dict[int, float], b: dict[int, float],
+                   steps=range(2, 2 + STEPS)) -> float:
+    """The largest loss difference over `steps`, the iterations `b` trained."""
+    assert sorted(b) == list(steps) and set(steps) <= set(a)
+    return max(abs(a[i] - b[i]) for i in steps)
 
 
 def test_engram_embedding_parallel_two_trains_as_one_process(losses):
@@ -120,9 +140,103 @@ def test_tensor_expert_and_engram_embedding_parallel_combined(losses):
     assert max_difference(losses["one"], losses["tp2_ep2_eps2"]) <= 1e-5
 
 
+def test_pipeline_parallel_two_trains_as_one_process(losses):
+    """Two pipeline stages (layers 0-3 and 4-7, selective recompute of core_attn, moe and mhc):
+    the streams, pre and the whole CSA2 state cross the boundary (the compressed KV's gradient
+    back to layer 3's compressor). The checkpoint keys carry global layer ids: stage 1 saves
+    layers 4 to 7 under their own numbers."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    assert max_difference(losses["one"], losses["pp2"]) <= 1e-5
+    folder = losses["root"] / "pp2" / "ckpt" / f"iter_{1 + STEPS:07d}"
+    saved = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    layers = {int(k.split(".")[1]) for k in saved if k.startswith("layers.")}
+    assert layers == set(range(8))
+    assert "layers.5.engram.multi_head_embedding.weight" in saved
+
+
+def test_pipeline_checkpoint_loads_on_one_process_with_full_recompute(losses):
+    """The PP2 run's last checkpoint (model and optimizer) on one process, with full recompute
+    (chunks of 2 layers): the next steps equal those of the one-process run that never left
+    one process (the second step's loss reads the recomputed gradients of the first)."""
+    steps = range(2 + STEPS, 2 + STEPS + ON_ONE)
+    assert max_difference(losses["one"], losses["pp2_on_one"], steps) <= 1e-5
+
+
+RECOMPUTE = {  # name: system fields
+    "full_uniform": dict(recompute_granularity="full", recompute_method="uniform",
+                         recompute_num_layers=2),
+    "full_block": dict(recompute_granularity="full", recompute_method="block",
+                       recompute_num_layers=3),
+    "selective": dict(recompute_granularity="selective",
+                      recompute_modules=["core_attn", "moe", "mhc"]),
+}
+
+
+def test_recompute_gives_the_same_loss_and_gradients(one_rank):
+    """The tiny preset (fake quantization on) in one process: the loss and every parameter's
+    gradient under each recompute equal those without, bit for bit, and the forward keeps fewer
+    bytes for the backward."""
+    import torch
+
+    from test_deepseek_v41_model import tiny_model_section
+
+    from engram_train.engram.variant import build_hash_mapping
+    from engram_train.models.builder import build_gpt_model
+    from engram_train.models.deepseek_v41.v41_config import deepseek_v41_config
+
+    def build(**system):
+        config = deepseek_v41_config(tiny_model_section(), dict(params_dtype=torch.float32,
+                                                                **system))
+        return build_gpt_model(config, 1024, 64)
+
+    reference = build()
+    weights = reference.state_dict()
+    generator = torch.Generator().manual_seed(1)
+    ids, labels = torch.randint(0, 1000, (2, 2, 64), generator=generator)
+    hash_ids = torch.as_tensor(build_hash_mapping(reference.config).hash_block(ids.numpy()))
+
+    def run(model):
+        model.load_state_dict(weights)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(
+                lambda t: saved.append(t.numel() * t.element_size()) or t, lambda t: t):
+            loss = model(ids, labels=labels, engram_hash_ids=hash_ids).mean()
+        loss.backward()
+        return loss.item(), sum(saved), {n: p.grad for n, p in model.named_parameters()
+                                         if p.grad is not None}
+
+    loss, kept, grads = run(reference)
+    for name, system in RECOMPUTE.items():
+        other_loss, other_kept, other_grads = run(build(**system))
+        assert other_loss == loss, name
+        assert other_grads.keys() == grads.keys() and len(grads) > 150
+        assert all(torch.equal(other_grads[k], grads[k]) for k in grads), name
+        print(f"{name}: saved {other_kept / kept:.2f} of the bytes without recompute")
+        assert other_kept < kept, name
+
+
+def test_v41_pipeline_config():
+    """PP2 with recompute passes the run config; the stages exchange float32 tensors whose
+    shapes megatron learns per message."""
+    import torch
+    from test_presets import _cfg
+
+    from engram_train.training.run_config import validate_run_config
+
+    config = validate_run_config(_cfg(["model=deepseek_v41_tiny", *EIGHT_LAYERS,
+                                       "system.pipeline_model_parallel_size=2", *SELECTIVE]), 2)
+    assert config.pipeline_dtype == torch.float32 and config.variable_seq_lengths
+    assert config.recompute_modules == ["core_attn", "moe", "mhc"]
+
+
 @pytest.mark.parametrize("overrides, match", [
-    (["system.pipeline_model_parallel_size=2"], r"pipeline_model_parallel_size=2 with model_f"),
     (["system.context_parallel_size=2"], r"context_parallel_size=2 with model_family"),
+    (["system.pipeline_model_parallel_size=2", "system.virtual_pipeline_model_parallel_size=2"],
+     r"virtual_pipeline_model_parallel_size=2 with model_family"),
+    (["system.tensor_model_parallel_size=2", "system.recompute_granularity=selective",
+      "system.recompute_modules=[core_attn,mlp]"],
+     r"recompute_modules \['mlp'\] with model_family=deepseek_v41"),
 ])
 def test_v41_layouts_still_refused(overrides, match):
     from test_presets import _cfg
@@ -131,5 +245,6 @@ def test_v41_layouts_still_refused(overrides, match):
     from engram_train.training.run_config import validate_run_config
 
     with pytest.raises(ConfigError, match=match):
-        validate_run_config(_cfg(["model=deepseek_v41_tiny", "train.micro_batch_size=1",
-                                  "system.sequence_parallel=true", *overrides]), 4)
+        validate_run_config(_cfg(["model=deepseek_v41_tiny", *EIGHT_LAYERS,
+                                  "train.micro_batch_size=1", "system.sequence_parallel=true",
+                                  *overrides]), 4)
