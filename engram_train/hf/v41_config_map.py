@@ -97,6 +97,7 @@ def v41_preset_from_hf(doc: dict) -> dict:
     backbone = {k: text[k] for k in V41_FIELDS
                 if k in text and k not in ("rope_scaling", "fake_quantize")}
     backbone["rope_scaling"] = _rope_scaling(text)
+    backbone["fake_quantize"] = True  # the released caches' rounding (false: layout checks)
     missing = sorted({"hidden_size", "num_hidden_layers", "moe_intermediate_size"} - set(backbone))
     if missing:
         raise HFConfigError(f"config.json text_config has no {missing[0]} (a V4.1 size)")
