@@ -81,16 +81,17 @@ class DeepseekV41ModelConfig(EngramTransformerConfig):
         mhc = self.recompute_modules is not None and "mhc" in self.recompute_modules
         if mhc:  # V4.1's own mHC, always recomputed; the project mHC's rule refuses the name
             self.recompute_modules = [m for m in self.recompute_modules if m != "mhc"]
-        if self.pipeline_model_parallel_size > 1:  # the stage boundary (v41_pipeline.py)
+        pipelined = self.pipeline_model_parallel_size > 1  # the stage boundary: v41_pipeline
+        if pipelined:
             self.pipeline_dtype = torch.float32
+        # megatron refuses variable_seq_lengths with its allgather token dispatcher, which
+        # V4.1's own MoE does not use: set after megatron's checks (again on a replace())
+        self.variable_seq_lengths = False
         super().__post_init__()
+        self.variable_seq_lengths = pipelined
         if mhc:
             self.recompute_modules = [*self.recompute_modules, "mhc"]
         selective_recompute(self)
-        if self.pipeline_model_parallel_size > 1:
-            # megatron refuses variable_seq_lengths with its allgather token dispatcher, which
-            # V4.1's own MoE does not use: set after megatron's checks
-            self.variable_seq_lengths = True
         streams = self.deepseek_v41.hc_mult
         if given not in (None, streams):
             raise ConfigError(f"engram_hc_mult={given} with hc_mult={streams}: V4.1's Engram "
