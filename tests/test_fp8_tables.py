@@ -223,6 +223,3 @@ def test_trained_fp8_save_and_resume_give_the_losses_of_a_run_without(tmp_path):
     resumed = _train(tmp_path, "resumed", "train.train_iters=4", f"checkpoint.load={ckpt}",
                      *FP8_TRAINED)
     assert len(plain) == 4 and saved == plain and resumed == plain[2:]
-    tensors = _checkpoint_tensors(ckpt / "iter_0000004")
-    moment = "optimizer.state.exp_avg.decoder.layers.1.engram.multi_head_embedding.weight"
-    assert tensors[moment].dtype == torch.bfloat16

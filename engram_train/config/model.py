@@ -360,8 +360,8 @@ class EngramConfig:
         if not self.engram_master_weights:
             if self.engram_table_dtype != "bf16":
                 raise ConfigError(
-                    "engram_master_weights=false applies to bf16 and fp8_e4m3 tables (an fp32 "
-                    "table is its own master): set engram_table_dtype=bf16 or "
+                    "engram_master_weights=false applies to bf16 tables and fp8_e4m3 ones (an "
+                    "fp32 table is its own master): set engram_table_dtype=bf16 or "
                     "engram_master_weights=true."
                 )
             if not rowwise:

@@ -162,10 +162,11 @@ class MultiHeadEmbedding(nn.Module):
             return
         if self.weight.is_meta:
             return
-        # fp8: the same float32 init, quantized (round to nearest even) by blocks of rows
+        # fp8: the same float32 init, quantized (round to nearest even) by blocks of rows,
+        # small enough that the temporaries stay a few MB whatever the table size
         rows = self.weight.shape[0]
-        for lo in range(0, rows, 16 * INIT_BLOCK_ROWS):
-            hi = min(rows, lo + 16 * INIT_BLOCK_ROWS)
+        for lo in range(0, rows, INIT_BLOCK_ROWS):
+            hi = min(rows, lo + INIT_BLOCK_ROWS)
             values = torch.empty((hi - lo, self.embedding_dim), dtype=torch.float32)
             partition_invariant_normal_(
                 values, self.seed, self.layer_id, self.row_start + lo, self.init_std)
