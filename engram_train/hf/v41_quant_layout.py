@@ -23,6 +23,7 @@ import torch
 
 from engram_train.hf.v41_quant import (
     QUANTIZED_FORMATS,
+    SCALE_DTYPE,
     STORED_DTYPE,
     V41QuantError,
     V41QuantSourceError,
@@ -31,10 +32,15 @@ from engram_train.hf.v41_quant import (
     encode,
     logical_shape,
     scale_name,
+    scale_shape,
     shape_of,
 )
 
 FORMATS = QUANTIZED_FORMATS + ("float32", "bf16", "e8m0")
+# config.json's declaration of the layout (NeMo loads a folder through its dequantizing path
+# when ``quantization_config.quant_method`` is set)
+RELEASE_QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
+                               "weight_block_size": [32, 32], "activation_scheme": "dynamic"}
 _FP8_BLOCK = re.compile(
     r"(?:layers\.\d+\.(?:attn\.(?:wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)"
     r"|ffn\.shared_experts\.w[123]|engram\.wkv)"
@@ -53,7 +59,7 @@ def stored_format(name: str) -> str:
     """The released format of tensor `name`: ``fp8_block``, ``fp4_rows``, ``fp8_rows``
     (quantized, with ``<name>.scale``), ``float32``, ``bf16``, or ``e8m0`` for the scale of a
     quantized weight."""
-    if name.endswith(".scale") and not name.endswith(".weight"):
+    if name.endswith(".scale"):
         weight = name.removesuffix(".scale") + ".weight"
         if stored_format(weight) in QUANTIZED_FORMATS:
             return "e8m0"
@@ -75,6 +81,15 @@ def quantize_for_release(name: str, tensor: torch.Tensor, *,
     if fmt == "e8m0":
         raise V41QuantError(f"{name}: a scale is written with its weight, not on its own")
     if fmt in QUANTIZED_FORMATS and quantized:
+        if tensor.is_meta:  # the folder's layout planned from shapes
+            if tensor.ndim != 2 or (fmt == "fp4_rows" and tensor.shape[1] % 2):
+                raise V41QuantError(f"{name}: {fmt} stores an (even-width) matrix, not "
+                                    f"{tuple(tensor.shape)}")
+            rows, cols = tensor.shape
+            return [(name, torch.empty((rows, cols // 2 if fmt == "fp4_rows" else cols),
+                                       dtype=STORED_DTYPE[fmt], device="meta")),
+                    (scale_name(name), torch.empty(scale_shape(fmt, (rows, cols)),
+                                                   dtype=SCALE_DTYPE, device="meta"))]
         weight, scale = encode(fmt, tensor, name=name)
         return [(name, weight), (scale_name(name), scale)]
     dtype = torch.float32 if fmt == "float32" else torch.bfloat16
@@ -90,7 +105,8 @@ def release_shape(name: str, stored) -> tuple[int, ...]:
     return shape
 
 
-def _quantized_format(name: str, dtype) -> str:
+def quantized_format(name: str, dtype) -> str:
+    """The quantized format of `name` stored as `dtype` (FP8 or int8); a mismatch refused."""
     fmt = stored_format(name)
     if fmt not in QUANTIZED_FORMATS:
         raise V41QuantSourceError(f"{name}: stored as {dtype}, but the release stores this "
@@ -101,6 +117,16 @@ def _quantized_format(name: str, dtype) -> str:
     return fmt
 
 
+def refuse_unfloating(name: str, dtype, has_scale: bool) -> None:
+    """Refuse an unquantized tensor stored in a dtype no V4.1 tensor uses, or with a scale."""
+    if dtype not in _FLOATING:
+        raise V41QuantSourceError(f"{name}: stored as {dtype}, which no V4.1 tensor uses "
+                                  "(FP8 E4M3, packed int8 FP4, bf16 or float32)")
+    if has_scale:
+        raise V41QuantSourceError(f"{scale_name(name)}: a scale next to the unquantized "
+                                  f"{dtype} weight {name}")
+
+
 def dequantize_from_release(name: str, weight, scale=None, *, rows=None, cols=None,
                             dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Slice ``[rows, cols]`` (``(start, stop)`` pairs, default whole; matrices only when
@@ -108,14 +134,9 @@ def dequantize_from_release(name: str, weight, scale=None, *, rows=None, cols=No
     (tensors or safetensors slice objects), a floating one read as stored."""
     stored = dtype_of(weight)
     if stored in (torch.float8_e4m3fn, torch.int8):
-        fmt = _quantized_format(name, stored)
+        fmt = quantized_format(name, stored)
         return decode(fmt, weight, scale, name=name, rows=rows, cols=cols, dtype=dtype)
-    if stored not in _FLOATING:
-        raise V41QuantSourceError(f"{name}: stored as {stored}, which no V4.1 tensor uses "
-                                  "(FP8 E4M3, packed int8 FP4, bf16 or float32)")
-    if scale is not None:
-        raise V41QuantSourceError(f"{scale_name(name)}: a scale next to the unquantized "
-                                  f"{stored} weight {name}")
+    refuse_unfloating(name, stored, scale is not None)
     if rows is None and cols is None:
         value = weight[...] if isinstance(weight, torch.Tensor) else weight[:]
     else:

@@ -1,0 +1,78 @@
+"""A DeepSeek-V4.1 folder read for import, quantized (the release's layout) or not.
+
+`V41Folder` is `source.HFFolder` with V4.1's storage: its names are the folder's less the
+``.scale`` tensors (a scale without its weight refused), a packed FP4 expert has its logical
+shape (twice the stored columns), and `read_block` dequantizes only the stored blocks a rank's
+slice needs (``v41_quant_layout.dequantize_from_release`` on safetensors ``get_slice``
+objects: the FP8/FP4 codes and E8M0 scale blocks of the slice, decoded a bounded number of rows
+at a time; floating tensors are read as stored). `check` reads every header once before the
+model is built: a quantized weight without its scale, a scale of the wrong shape or dtype and a
+dtype no V4.1 tensor uses are refused in one line naming the tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engram_train.hf.source import HFFolder
+from engram_train.hf.v41_quant import check_stored, dtype_of, scale_name
+from engram_train.hf.v41_quant_layout import (
+    dequantize_from_release,
+    quantized_format,
+    release_shape,
+    release_weight_names,
+    refuse_unfloating,
+)
+
+
+class V41Folder(HFFolder):
+    """The tensors of a V4.1 folder (module docstring), in float32, read one block at a time."""
+
+    def __init__(self, folder) -> None:
+        super().__init__(folder)
+        self._names = release_weight_names(list(self.files))
+
+    def names(self) -> list[str]:
+        return list(self._names)
+
+    def _slice(self, name: str):
+        return self._handle(self.files[name]).get_slice(name)
+
+    def _scale(self, name: str):
+        scale = scale_name(name)
+        return self._slice(scale) if scale in self.files else None
+
+    def check(self, skip=()) -> int:
+        """Refuse a tensor the import cannot decode (module docstring), headers only; returns
+        how many are quantized."""
+        quantized = 0
+        for name in self._names:
+            if name in skip:
+                continue
+            weight = self._slice(name)
+            dtype = dtype_of(weight)
+            if dtype in (torch.float8_e4m3fn, torch.int8):
+                check_stored(quantized_format(name, dtype), name, weight, self._scale(name))
+                quantized += 1
+            else:
+                refuse_unfloating(name, dtype, self._scale(name) is not None)
+        return quantized
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return release_shape(name, self._slice(name))
+
+    def read_block(self, name: str, start, size) -> torch.Tensor:
+        """``tensor[start : start + size]`` of the logical tensor in float32; quantized blocks
+        decoded from their codes and scales alone."""
+        weight = self._slice(name)
+        if len(start) == 2:
+            (r0, c0), (rows, cols) = start, size
+            return dequantize_from_release(name, weight, self._scale(name),
+                                           rows=(r0, r0 + rows), cols=(c0, c0 + cols))
+        refuse_unfloating(name, dtype_of(weight), self._scale(name) is not None)
+        box = tuple(slice(int(a), int(a) + int(n)) for a, n in zip(start, size))
+        return (weight[box] if box else weight[:]).float()
+
+    def read(self, name: str) -> torch.Tensor:
+        shape = self.shape(name)
+        return self.read_block(name, (0,) * len(shape), shape)
