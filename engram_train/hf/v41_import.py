@@ -12,11 +12,16 @@ tensors that land in it (``importer.fill_shard``: safetensors ``get_slice``, one
 time). The preset (``model_family: deepseek_v41``, the folder's shapes, Engram on with the
 folder's Engram fields: V4.1 ships its tables) goes to ``CKPT_DIR/conf/model/NAME.yaml``.
 
+The folder may hold the release's quantized layout (FP8/FP4 weights with E8M0 ``.scale``
+tensors, ``v41_quant_layout.py``): `V41Folder` dequantizes each block a rank reads from the
+stored codes and scale blocks of that block alone.
+
 Skipped with one line saying how many: the DSpark/MTP draft (``mtp.*``) and the vision side
 (``vision.*``, ``aligner.*``, ``image_*``, the routers' ``bias_vl``). Refused in one line: a
-quantized folder (FP8/FP4 weights with ``.scale`` tensors: not read yet), a tensor the model
-has no place for, a tensor the model needs that the folder lacks, a shape that differs from
-the one ``config.json`` implies, and Engram fields the tokenizer contradicts.
+quantized weight without its scale or with a misshapen one, a dtype no V4.1 tensor uses, a
+tensor the model has no place for, a tensor the model needs that the folder lacks, a shape
+that differs from the one ``config.json`` implies, and Engram fields the tokenizer
+contradicts.
 """
 
 from __future__ import annotations
@@ -38,9 +43,9 @@ from engram_train.hf.importer import (
 from engram_train.hf.source import HFFolder, HFSourceError
 from engram_train.hf.v41_config_map import text_config, v41_preset_from_hf
 from engram_train.hf.v41_names import skipped_kind, v41_pieces
+from engram_train.hf.v41_quant_folder import V41Folder
 
 VOCAB_NAMES = ("embed.weight", "head.weight")
-FLOAT_DTYPES = {"F32", "BF16", "F16", "F64"}
 
 
 def _skipped(folder: HFFolder) -> dict[str, list[str]]:
@@ -50,19 +55,6 @@ def _skipped(folder: HFFolder) -> dict[str, list[str]]:
         if kind:
             kinds[kind].append(name)
     return kinds
-
-
-def check_unquantized(folder: HFFolder, skip: set[str]) -> None:
-    """Every tensor the import reads is a float (the header's dtype, no data read)."""
-    for name in folder.files:
-        if name in skip:
-            continue
-        dtype = folder._handle(folder.files[name]).get_slice(name).get_dtype()
-        if dtype not in FLOAT_DTYPES:
-            raise HFImportError(
-                f"{name} is stored as {dtype}: quantized DeepSeek-V4.1 folders (FP8/FP4 weights "
-                "with .scale tensors) are not imported yet; give an unquantized (bf16/float32) "
-                "folder")
 
 
 def check_engram_tokenizer(text: dict, tokenizer_file: Path) -> None:
@@ -98,12 +90,12 @@ def import_v41(hf: Path, out: Path, doc: dict, *, tokenizer=None, preset_name: s
     try:
         section = v41_preset_from_hf(doc)
         text = text_config(doc)
-        folder = HFFolder(hf)
+        folder = V41Folder(hf)
+        skipped = _skipped(folder)
+        skip = {name for names in skipped.values() for name in names}
+        folder.check(skip)  # quantized weights with their scales, known dtypes (headers)
     except (HFConfigError, HFSourceError) as err:
         raise HFImportError(str(err)) from None
-    skipped = _skipped(folder)
-    skip = {name for names in skipped.values() for name in names}
-    check_unquantized(folder, skip)
     tokenizer_file = resolve_tokenizer_file(tokenizer or hf, field="--tokenizer")
     check_engram_tokenizer(text, tokenizer_file)
     vocab = padded_vocab_size(load_tokenizer(tokenizer_file).vocab_size, tensor)
