@@ -45,6 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "engram_tokenizer_name_or_path does not resolve from here")
     parser.add_argument("--table-dtype", choices=sorted(TABLE_DTYPES), default=None,
                         help="store the Engram tables in this dtype (default: as trained)")
+    parser.add_argument("--hf-layout", choices=("released", "bf16"), default=None,
+                        help="--format hf of a DeepSeek-V4.1 checkpoint: the release's "
+                             "FP8/FP4 layout with E8M0 scales (released, the default) or "
+                             "unquantized bf16 (float32 where the release keeps it)")
     parser.add_argument("--max-shard-size", type=_parse_size, default=DEFAULT_SHARD_BYTES,
                         metavar="SIZE", help="largest backbone file, e.g. 5GB (default)")
     parser.add_argument("--format", choices=list(FORMATS), default="engram",
@@ -74,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     if not (args.load and args.out):
         parser.error("the following arguments are required: --load, --out (or --check DIR)")
     fmt = FORMATS[args.format]
-    options = {"table_dtype": args.table_dtype}
+    options = {"table_dtype": args.table_dtype, "hf_layout": args.hf_layout}
     given = [name for name, value in options.items() if value is not None and name not in fmt.options]
     try:
         if args.config is not None:

@@ -182,9 +182,11 @@ def _tokenizer_file(tokenizer, run_config: dict, where: str) -> Path:
 
 
 def export_hf(load, out, *, iteration=None, config=None, tokenizer=None, force=False,
-              max_shard_bytes: int = 5 * 2**30, verify=True,
+              max_shard_bytes: int = 5 * 2**30, verify=True, hf_layout: str | None = None,
               log: Callable[[str], None] | None = None) -> Path:
-    """Write checkpoint `load` as a transformers model folder `out` (module docstring)."""
+    """Write checkpoint `load` as a transformers model folder `out` (module docstring);
+    `hf_layout` (DeepSeek-V4.1 only): ``released`` (default: FP8/FP4 with scales) or
+    ``bf16`` (unquantized)."""
     log = log or stderr_log
     out = check_out(out, load, force=force)
     root, directory, iteration = resolve_checkpoint(load, iteration)
@@ -197,7 +199,11 @@ def export_hf(load, out, *, iteration=None, config=None, tokenizer=None, force=F
         verify_files(directory, checksums=verify, log=log)
         return export_v41_hf(out, reader, run_config, where,
                              _tokenizer_file(tokenizer, run_config, where),
-                             max_shard_bytes=max_shard_bytes, log=log)
+                             max_shard_bytes=max_shard_bytes, log=log,
+                             quantized=hf_layout in (None, "released"))
+    if hf_layout is not None:
+        raise ExportError(f"--hf-layout {hf_layout}: only DeepSeek-V4.1 checkpoints have a "
+                          "quantized released layout; drop the option")
     plan = None
     if model.get("use_engram"):
         plan = plan_export(load, iteration=iteration, config=config, tokenizer=tokenizer,

@@ -56,7 +56,7 @@ FORMATS = {
         ExportFormat("engram", "engram_train.export.exporter:export_checkpoint",
                      "this project's inference export (docs/export.md)", options=("table_dtype",)),
         ExportFormat("hf", "engram_train.export.hf_export:export_hf",
-                     "a transformers model folder (docs/huggingface.md)"),
+                     "a transformers model folder (docs/huggingface.md)", options=("hf_layout",)),
     )
 }
 

@@ -9,11 +9,14 @@ router's bias for image tokens, which the text model does not hold) is written a
 NeMo's initial value, so that NeMo loads the folder.
 
 Stored dtypes (`stored_tensors`, the one place that turns a float tensor into what the folder
-holds): the tensors NeMo keeps in float32 (mHC, sinks, compressor, router bias, head) stay
-float32, every other one is bf16 (``dtype`` float32 keeps all of them float32). A quantized
-layout (FP8/FP4 with ``.scale`` tensors) replaces that function; it must accept meta tensors
-(the files' layout is planned from shapes) and be separable over row blocks of 32 rows (large
-tensors are converted a row block at a time, each output's rows in proportion).
+holds): with ``quantized`` (``engram-export``'s default, ``--hf-layout released``) the
+release's layout (``hf/v41_quant_layout.py``: FP8 E4M3 with 32 x 32 E8M0 blocks, packed FP4
+experts and FP8 Engram tables with per-row scales, each with its ``.scale`` tensor); the
+tensors NeMo keeps in float32 (mHC, sinks, compressor, router bias, head) stay float32, every
+other one is bf16 (``--hf-layout bf16``: no quantization; ``dtype`` float32 keeps all of them
+float32). It accepts meta tensors (the files' layout is planned from shapes) and is separable
+over row blocks of 32 rows (large tensors are converted a row block at a time, each output
+written after the rows the earlier blocks gave it).
 
 Streaming: one released tensor (or one row block of a large one) is read from the checkpoint's
 stored chunks, converted and copied into a memory map of its output file at a time. The folder
@@ -38,6 +41,8 @@ from engram_train.hf.config_map import HFConfigError
 from engram_train.hf.names import Piece, UnmappedTensorError
 from engram_train.hf.v41_config_map import v41_hf_config
 from engram_train.hf.v41_names import VISION_BIAS, v41_pieces
+from engram_train.hf.v41_quant import V41QuantError
+from engram_train.hf.v41_quant_layout import RELEASE_QUANTIZATION_CONFIG, quantize_for_release
 
 INDEX_FILE = "model.safetensors.index.json"
 ROW_BLOCK_ELEMENTS = 1 << 26  # large tensors are converted in row blocks of about this size
@@ -45,10 +50,12 @@ _FLOAT32 = re.compile(r"(\.hc_(attn|ffn)_(fn|base|scale)|\.attn\.attn_sink|\.com
                       r"\.weight|\.ffn\.gate\.bias(_vl)?)$|^head\.weight$")
 
 
-def stored_tensors(name: str, value: torch.Tensor, dtype: torch.dtype = torch.bfloat16
-                   ) -> list[tuple[str, torch.Tensor]]:
-    """What the folder stores for released tensor `name` of float `value`: [(name, tensor)].
-    The seam of a quantized layout (module docstring)."""
+def stored_tensors(name: str, value: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
+                   quantized: bool = False) -> list[tuple[str, torch.Tensor]]:
+    """What the folder stores for released tensor `name` of float `value`: [(name, tensor)],
+    with its ``.scale`` where `quantized` quantizes it (module docstring)."""
+    if quantized:
+        return quantize_for_release(name, value)
     keep = torch.float32 if _FLOAT32.search(name) else dtype
     return [(name, value.to(keep))]
 
@@ -100,6 +107,7 @@ def _row_blocks(shape: tuple) -> list[tuple[int, int]]:
 def write_released(writer: SafetensorsWriter, reader: DistCheckpointReader, item: _Released,
                    encode: Callable) -> None:
     """Read, convert and write `item` a row block at a time."""
+    written = [0] * len(item.outputs)  # rows of each output the earlier blocks gave
     for start, rows in _row_blocks(item.shape):
         if item.value is not None:
             value = item.value if not item.shape else item.value[start:start + rows]
@@ -114,14 +122,14 @@ def write_released(writer: SafetensorsWriter, reader: DistCheckpointReader, item
             value = value[0] if piece.squeeze else value
             if not item.shape:  # a 0-d tensor
                 value = value.reshape(())
-        for (name, tensor), spec in zip(encode(item.name, value), item.outputs):
+        for index, ((name, tensor), spec) in enumerate(zip(encode(item.name, value),
+                                                           item.outputs)):
             if not spec.shape:
                 writer.write(name, tensor)
                 continue
-            out_rows = spec.shape[0] * rows // item.shape[0]
-            at = spec.shape[0] * start // item.shape[0]
+            at, written[index] = written[index], written[index] + tensor.shape[0]
             with writer.region(name, [at, *[0] * (len(spec.shape) - 1)],
-                               [out_rows, *spec.shape[1:]]) as target:
+                               [tensor.shape[0], *spec.shape[1:]]) as target:
                 target.copy_(tensor)
                 del target
 
@@ -135,9 +143,10 @@ def _engram_rows(reader: DistCheckpointReader, model: dict) -> list[int]:
 
 def export_v41_hf(out: Path, reader: DistCheckpointReader, run_config: dict, where: str,
                   tokenizer_file: Path, *, max_shard_bytes: int, dtype: torch.dtype = torch.bfloat16,
-                  log: Callable[[str], None]) -> Path:
+                  log: Callable[[str], None], quantized: bool = False) -> Path:
     """Write the V4.1 checkpoint of `reader` (its run config `run_config`, found at `where`)
-    as the released folder layout `out` (module docstring)."""
+    as the released folder layout `out` (module docstring); `quantized`: the release's
+    FP8/FP4 layout."""
     from engram_train.data import load_tokenizer
     from engram_train.engram.compressed_tokenizer import CompressedTokenizer
     from engram_train.export.hf_export import shard_file, write_tokenizer
@@ -151,12 +160,17 @@ def export_v41_hf(out: Path, reader: DistCheckpointReader, run_config: dict, whe
     compressed = CompressedTokenizer(tokenizer_file).vocab_size if model.get("use_engram") else None
 
     def encode(name, value):
-        return stored_tensors(name, value, dtype)
+        try:
+            return stored_tensors(name, value, dtype, quantized)
+        except V41QuantError as err:
+            raise ExportError(str(err)) from None
 
     try:
         document = v41_hf_config(model, vocab, _engram_rows(reader, model), compressed,
                                  str(dtype).removeprefix("torch."))
         released = plan_released(reader, vocab, encode)
+        if quantized:
+            document["quantization_config"] = dict(RELEASE_QUANTIZATION_CONFIG)
     except HFConfigError as err:
         raise ExportError(f"{where}: {err}") from None
 
@@ -178,5 +192,6 @@ def export_v41_hf(out: Path, reader: DistCheckpointReader, run_config: dict, whe
         write_tokenizer(folder, tokenizer_file)
 
     publish(out, "hf", write, log)
-    log(f"wrote {out} (deepseek_v41, {len(released)} tensors, {dtype}) from {reader.path}")
+    layout = "the released FP8/FP4 layout" if quantized else dtype
+    log(f"wrote {out} (deepseek_v41, {len(released)} tensors, {layout}) from {reader.path}")
     return out

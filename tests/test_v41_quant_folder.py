@@ -1,0 +1,150 @@
+"""A DeepSeek-V4.1 folder in the release's quantized layout, in and out (docs/deepseek-v41.md
+'The released quantized layout').
+
+NeMo Automodel 0.7.0's V4.1 on the tiny preset's fields (tests/v41_reference.py), weights
+initialised and moved away from their init, is written under the released names by NeMo's
+state-dict adapter (``to_hf``) and ``save_pretrained``, its weights quantized by the project's
+encoder (NeMo has no weight quantizer; ``tests/test_v41_quant.py`` holds the encoder's rounding
+to NeMo's ``quantize_cache``). NeMo's own loading path (``from_hf``, which dequantizes) reads
+the folder to the values the project's decoder gives. Then ``engram-import-hf`` at one process
+and ``engram-export --format hf`` of the import: every quantized tensor's dequantized values
+back exactly (by default in the released layout, with ``--hf-layout bf16`` unquantized: bf16
+holds them exactly), every other tensor within 1e-6.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import v41_reference as ref
+from engram_train.hf import v41_quant as q
+from engram_train.hf.v41_quant_layout import (
+    RELEASE_QUANTIZATION_CONFIG,
+    dequantize_from_release,
+    quantize_for_release,
+    stored_format,
+)
+from launch import REPO, free_port, run_process
+
+TOLERANCE = 1e-6
+
+
+def nemo_quantized_folder(folder) -> dict[str, torch.Tensor]:
+    """NeMo's tiny V4.1 (float32) written to `folder` in the quantized layout (inside
+    ``side()``); returns NeMo's ``from_hf`` of the quantized and of the decoded tensors."""
+    from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41Config
+    from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCausalLM
+    from test_deepseek_v41_blocks import eager_experts, nemo_backend, perturb
+    from test_deepseek_v41_model import tiny_config, tiny_model_section
+
+    from engram_train.engram.variant import v41_engram_args
+    from engram_train.models.deepseek_v41.v41_config import V41_FIELDS
+
+    ours = tiny_config(engram=True)
+    backbone = {k: v for k, v in tiny_model_section().items()
+                if k in V41_FIELDS and k != "hidden_size"}
+    text = ref.text_config(v41_engram_args(ours), ours.hidden_size, **backbone).to_dict()
+    config = DeepseekV41Config(text_config=text, vision_config={"num_hidden_layers": 0})
+    torch.manual_seed(0)
+    model = DeepseekV41ForCausalLM(config, backend=nemo_backend(), tokenizer=ref.tokenizer())
+    model.initialize_weights(dtype=torch.float32)
+    with torch.no_grad():
+        for layer in model.model.layers.values():
+            layer.attn.reset_parameters(0.05)
+            layer.ffn.init_weights(torch.device("cpu"), init_std=0.05)
+            eager_experts(layer.ffn)
+            if layer.engram is not None:
+                layer.engram.embed.weight.normal_(0.0, 1.0)
+                layer.engram.wkv.weight.normal_(0.0, 0.3)
+        model.model.embed_tokens.weight.normal_()
+        model.lm_head.weight.normal_(std=0.05)
+    perturb(model, 5)
+    plain = {k: v.detach().contiguous() for k, v in
+             model.state_dict_adapter.to_hf(model.state_dict()).items()}
+    stored = dict(p for name, value in plain.items() for p in quantize_for_release(name, value))
+    folder.mkdir(parents=True)
+    config.quantization_config = dict(RELEASE_QUANTIZATION_CONFIG)
+    config.save_pretrained(str(folder))
+    save_file(stored, str(folder / "model.safetensors"))
+    shutil.copyfile(ref.TOKENIZER, folder / "tokenizer.json")
+    decoded = {n: dequantize_from_release(n, v, stored.get(q.scale_name(n)))
+               if stored_format(n) in q.QUANTIZED_FORMATS else v
+               for n, v in stored.items() if stored_format(n) != "e8m0"}
+    adapter = model.state_dict_adapter
+    return {"from_quantized": adapter.from_hf(dict(stored)),
+            "from_decoded": adapter.from_hf(dict(decoded))}
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()  # NeMo's Engram tables take a process group's world
+    root = tmp_path_factory.mktemp("v41_quant")
+    with ref.side():
+        nemo = nemo_quantized_folder(root / "source")
+    return {"root": root, "folder": root / "source", "nemo": nemo}
+
+
+def test_nemo_reads_the_quantized_folder_as_our_decoder(source):
+    quantized, decoded = source["nemo"]["from_quantized"], source["nemo"]["from_decoded"]
+    assert sorted(quantized) == sorted(decoded)
+    for name, value in quantized.items():
+        assert value.dtype == decoded[name].dtype and torch.equal(value, decoded[name]), name
+
+
+def _tensors(folder) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        tensors.update(load_file(str(path)))
+    return tensors
+
+
+def _values(tensors: dict) -> dict[str, torch.Tensor]:
+    return {n: dequantize_from_release(n, v, tensors.get(q.scale_name(n)))
+            for n, v in tensors.items() if stored_format(n) != "e8m0"}
+
+
+def test_import_and_export_give_back_every_value(source, tmp_path):
+    from engram_train.export.export_cli import main
+
+    checkpoint = source["root"] / "import"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1",
+           f"--master-port={free_port()}", "-m", "engram_train.hf.importer",
+           "--hf", str(source["folder"]), "--out", str(checkpoint), "--seq-length", "64"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = run_process(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    src = _tensors(source["folder"])
+    want = _values(src)
+    main(["--format", "hf", "--load", str(checkpoint), "--out", str(tmp_path / "released")])
+    exported = _tensors(tmp_path / "released")
+    assert sorted(exported) == sorted(src)
+    doc = json.loads((tmp_path / "released" / "config.json").read_text())
+    assert doc["quantization_config"] == RELEASE_QUANTIZATION_CONFIG
+    main(["--format", "hf", "--load", str(checkpoint), "--out", str(tmp_path / "bf16"),
+          "--hf-layout", "bf16"])
+    unquantized = _tensors(tmp_path / "bf16")
+    assert sorted(unquantized) == sorted(want)
+    assert "quantization_config" not in json.loads((tmp_path / "bf16" / "config.json").read_text())
+    for got in (exported, unquantized):
+        got_values = _values(got)
+        for name, value in want.items():
+            fmt = stored_format(name)
+            assert got[name].dtype == (src[name].dtype if got is exported or fmt in (
+                "float32", "bf16") else torch.bfloat16), name
+            if fmt in q.QUANTIZED_FORMATS:
+                assert torch.equal(got_values[name], value), name
+            else:
+                assert (got_values[name] - value).abs().max() <= TOLERANCE, name
+    with pytest.raises(SystemExit, match="--hf-layout does not apply to --format engram"):
+        main(["--load", str(checkpoint), "--out", str(tmp_path / "engram"), "--hf-layout", "bf16"])
+    kinds = {stored_format(n) for n in want}
+    assert kinds >= {"fp8_block", "fp4_rows", "fp8_rows", "float32", "bf16"}
