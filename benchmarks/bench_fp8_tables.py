@@ -167,13 +167,13 @@ def memory(args) -> None:
     out = previous.get("configs", {}) if previous.get("params") == args.params else {}
     for name in args.memory_configs:
         with tempfile.TemporaryDirectory() as folder:
-            path = Path(folder) / "one.json"
+            one = Path(folder) / "one.json"
             cmd = [sys.executable, __file__, "one", name, "--params", str(args.params),
-                   "--steps", str(args.steps), "--out", str(path)]
+                   "--steps", str(args.steps), "--out", str(one)]
             env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1",
                        MASTER_PORT=str(free_port()))
             subprocess.run(cmd, check=True, env=env, cwd=REPO)
-            out[name] = json.loads(path.read_text())
+            out[name] = json.loads(one.read_text())
         row = out[name]
         print(f"{name:12s} {row['table_params']:,} table params: "
               f"{row['bytes_per_table_param']:.3f} B/param by RSS "

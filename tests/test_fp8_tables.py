@@ -223,3 +223,8 @@ def test_trained_fp8_save_and_resume_give_the_losses_of_a_run_without(tmp_path):
     resumed = _train(tmp_path, "resumed", "train.train_iters=4", f"checkpoint.load={ckpt}",
                      *FP8_TRAINED)
     assert len(plain) == 4 and saved == plain and resumed == plain[2:]
+    from engram_train.export import ExportError, export_checkpoint
+
+    with pytest.raises(ExportError, match="engram_table_dtype=fp8_e4m3"):  # no scales there yet
+        export_checkpoint(ckpt, tmp_path / "export", config=tmp_path / "saved" / "config.yaml",
+                          verify=False)

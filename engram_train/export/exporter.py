@@ -62,7 +62,9 @@ from engram_train.export.locate import resolve_checkpoint, verify_files
 from engram_train.export.safetensors_io import DTYPE_NAMES, SafetensorsWriter, TensorSpec, shard_groups
 
 # The training table dtypes, plus fp16 for serving (an export may store tables narrower).
-TABLE_DTYPES = {**{n: getattr(torch, t) for n, t in ENGRAM_TABLE_DTYPES.items()}, "fp16": torch.float16}
+# fp8_e4m3 tables need their scales: not an export dtype (yet)
+TABLE_DTYPES = {**{n: getattr(torch, t) for n, t in ENGRAM_TABLE_DTYPES.items() if n != "fp8_e4m3"},
+                "fp16": torch.float16}
 DEFAULT_SHARD_BYTES = 5 * 2**30
 FILE_METADATA = {"format": "pt"}  # what Hugging Face loaders expect in __metadata__
 BACKBONE_NAMING = "megatron-core 0.16.1 dist-checkpoint keys, global (unsharded) shapes"
@@ -119,6 +121,10 @@ def plan_export(load, *, iteration=None, config=None, tokenizer=None, verify=Tru
             f"{where}: model.engram_variant={engram.engram_variant!r}: the export formats and "
             "their loaders (EngramMemory, --format hf) hold the paper variant's branch; the "
             "deepseek_v41 variant does not export yet (docs/deepseek-v41.md)")
+    if getattr(engram, "engram_table_dtype", None) == "fp8_e4m3":
+        raise ExportError(
+            f"{where}: model.engram_table_dtype=fp8_e4m3: the export formats hold plain tables, "
+            "fp8 tables with their E8M0 scales do not export yet (docs/host-tables.md)")
     log(f"checkpoint {directory} (iteration {iteration}); run config: {where}")
 
     try:
