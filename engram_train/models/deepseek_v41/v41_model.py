@@ -83,7 +83,9 @@ def _engram_branch(config, layer_id: int) -> nn.Module | None:
 
 
 class DeepseekV41GPTModel(LanguageModule):
-    """The V4.1 language model of one process (module docstring). Arguments as megatron's
+    """The V4.1 language model of one pipeline stage (module docstring): the embedding on the
+    first (`pre_process`), the stage's layers (``v41_pipeline.stage_layer_ids``), the final
+    collapse, norm and output layer on the last (`post_process`). Arguments as megatron's
     ``GPTModel`` takes them from the builder; `config` is a
     ``models.deepseek_v41.v41_config.DeepseekV41ModelConfig``."""
 
