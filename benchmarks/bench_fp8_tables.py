@@ -20,12 +20,15 @@ RSS before it) over its table parameters, next to the accounting
 (``training/run_config.engram_table_bytes_per_param``). The backbone of the big model counts
 against the tables (a few MB).
 
+``timing``: the host table update per step (``engram_host_update_s``) and the step time,
+``bf16_4byte`` against ``fp8_trained``, trainer runs interleaved over ``--rounds``.
+
 ``quality``: the trainer on the demo (its 200 iterations, validation at the end) for
 ``--seeds`` seeds (``train.seed``), host placement, ``bf16_4byte`` against ``fp8_trained``
 (and ``fp8_frozen`` as the floor): final validation loss of each run and the mean difference.
 
-    python benchmarks/bench_fp8_tables.py [memory|quality] [--params 3e8] [--seeds 1 2 3]
-        [--memory-configs NAME ...] [--iters 200]
+    python benchmarks/bench_fp8_tables.py [memory|quality|timing] [--params 3e8]
+        [--seeds 1 2 3] [--memory-configs NAME ...] [--iters 200] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -101,7 +104,8 @@ def build(vocab: int, lm_vocab: int, overrides: list[str]):
         for value in tables.optimizer.state[param].values():
             value.zero_()
     num_params = sum(p.numel() for p in engram_table_params(model))
-    return model, optimizer, NgramHashMapping(config), num_params, engram_table_bytes_per_param(config)
+    accounting = engram_table_bytes_per_param(config)
+    return model, optimizer, NgramHashMapping(config), num_params, accounting
 
 
 def train(setup, steps: int, lm_vocab: int) -> list[float]:
@@ -183,25 +187,51 @@ def memory(args) -> None:
                             row_width=dict(default=16, d32=32), configs=out))
 
 
+def trainer_records(name: str, seed: int, iters: int, *extra: str) -> list[dict]:
+    """The metrics records of one demo trainer run of configuration ``name``."""
+    with tempfile.TemporaryDirectory() as exp:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1",
+               f"--master-port={free_port()}", "-m", "engram_train.train",
+               f"experiment.exp_dir={exp}", f"train.seed={seed}", f"train.train_iters={iters}",
+               *extra, *HOST, *CONFIGS[name]]
+        subprocess.run(cmd, check=True, cwd=REPO, capture_output=True,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+        return [json.loads(line) for line in
+                Path(exp, "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def timing(args) -> None:
+    """Per-step host table update and step time, ``bf16_4byte`` against ``fp8_trained``, in
+    interleaved runs of ``--iters`` (every iteration logged; the first 5 dropped)."""
+    names = ["bf16_4byte", "fp8_trained"]
+    samples: dict[str, dict[str, list[float]]] = {n: {"update": [], "step": []} for n in names}
+    for _ in range(args.rounds):
+        for name in names:
+            records = trainer_records(name, 1, args.iters, "train.eval_interval=null",
+                                      "train.log_interval=1")
+            kept = [r for r in records if "lm_loss" in r][5:]
+            samples[name]["update"] += [r["engram_host_update_s"] for r in kept]
+            samples[name]["step"] += [r["step_time_s"] for r in kept]
+    out = {n: dict(update_ms_median=1000 * statistics.median(v["update"]),
+                   step_ms_median=1000 * statistics.median(v["step"]), steps=len(v["step"]))
+           for n, v in samples.items()}
+    for name, row in out.items():
+        print(f"{name:12s} host update {row['update_ms_median']:.2f} ms/step, step "
+              f"{row['step_ms_median']:.1f} ms (median of {row['steps']})", flush=True)
+    write_result(args.out or RESULTS / "bench_fp8_tables_timing.json",
+                 dict(iters=args.iters, rounds=args.rounds, placement="host", configs=out))
+
+
 def quality(args) -> None:
     runs: dict[str, dict[int, float]] = {}
     for name in args.configs:
         for seed in args.seeds:
-            with tempfile.TemporaryDirectory() as exp:
-                cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1",
-                       f"--master-port={free_port()}", "-m", "engram_train.train",
-                       f"experiment.exp_dir={exp}", f"train.seed={seed}",
-                       f"train.train_iters={args.iters}", f"train.eval_interval={args.iters}",
-                       *HOST, *CONFIGS[name]]
-                start = time.perf_counter()
-                subprocess.run(cmd, check=True, cwd=REPO, capture_output=True,
-                               env=dict(os.environ, OMP_NUM_THREADS="1"))
-                records = [json.loads(line) for line in
-                           Path(exp, "metrics.jsonl").read_text().splitlines() if line.strip()]
-                val = [r["val_loss"] for r in records if r.get("val_loss") is not None][-1]
-                runs.setdefault(name, {})[seed] = val
-                print(f"{name:12s} seed {seed}: final validation loss {val:.4f} "
-                      f"({time.perf_counter() - start:.0f} s)", flush=True)
+            start = time.perf_counter()
+            records = trainer_records(name, seed, args.iters, f"train.eval_interval={args.iters}")
+            val = [r["val_loss"] for r in records if r.get("val_loss") is not None][-1]
+            runs.setdefault(name, {})[seed] = val
+            print(f"{name:12s} seed {seed}: final validation loss {val:.4f} "
+                  f"({time.perf_counter() - start:.0f} s)", flush=True)
     summary = {name: dict(mean=statistics.mean(v.values()),
                           stdev=statistics.stdev(v.values()) if len(v) > 1 else 0.0)
                for name, v in runs.items()}
@@ -217,7 +247,8 @@ def quality(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("part", nargs="?", default="memory", choices=("memory", "quality", "one"))
+    parser.add_argument("part", nargs="?", default="memory",
+                        choices=("memory", "quality", "timing", "one"))
     parser.add_argument("name", nargs="?", help="(one) the configuration to measure")
     parser.add_argument("--params", type=float, default=3e8, help="table parameters (memory)")
     parser.add_argument("--steps", type=int, default=3, help="training steps before the RSS")
@@ -227,12 +258,15 @@ def main() -> None:
                         help="(quality) configurations to train")
     parser.add_argument("--memory-configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS),
                         help="(memory) configurations to measure; others kept from --out")
+    parser.add_argument("--rounds", type=int, default=2, help="(timing) interleaved rounds")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if args.part == "one":
         args.out.write_text(json.dumps(measure_one(args.name, args.params, args.steps)))
     elif args.part == "memory":
         memory(args)
+    elif args.part == "timing":
+        timing(args)
     else:
         quality(args)
 

@@ -165,7 +165,7 @@ def test_resume_with_another_storage_is_refused_in_one_line():
     assert "model.engram_freeze_tables=false" in to_frozen and "\n" not in to_frozen
 
 
-# -- the trainer (1 process each; 4 runs in all, 13 iterations) -------------------------------------------
+# -- the trainer (1 process each; 4 runs in all, 13 iterations) ----------------------------
 
 
 def _train(tmp_path, name, *overrides):
@@ -208,7 +208,8 @@ def test_frozen_fp8_tables_keep_their_bytes_while_the_backbone_trains(tmp_path):
     prefix = "decoder.layers.1.engram."
     table = saved[prefix + "multi_head_embedding.weight"]
     assert table.dtype == FP8_DTYPE
-    assert torch.equal(table.view(torch.uint8), fresh["multi_head_embedding.weight"].view(torch.uint8))
+    assert torch.equal(table.view(torch.uint8),
+                       fresh["multi_head_embedding.weight"].view(torch.uint8))
     assert torch.equal(saved[prefix + "multi_head_embedding.weight_scale"],
                        fresh["multi_head_embedding.weight_scale"])
     assert not torch.equal(saved[prefix + "norm1.0.weight"], fresh["norm1.0.weight"])  # trained
