@@ -16,6 +16,9 @@ run's schedule from iteration 0. The model preset the folder implies goes to
 ``CKPT_DIR/conf/model/NAME.yaml`` (Engram off, ``engram_value_init: zero``); the trainer adds
 Engram with ``checkpoint.load_engram=false`` (docs/huggingface.md). Peak memory per rank: its
 shard in fp32, the save's copy of it, and one folder block.
+
+A DeepSeek-V4.1 folder (``config.json`` ``model_type: deepseek_v41``) goes to
+``v41_import.py``: the same shard filling and save with V4.1's names and preset.
 """
 
 from __future__ import annotations
@@ -346,8 +349,9 @@ def write_import(out: Path, hf: Path, model: list, cfg, config, vocab: int, sect
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="engram-import-hf",
-        description="Import a transformers DeepSeek-V3 folder as a model-only checkpoint that "
-                    "engram-train continues, with Engram added (docs/huggingface.md).")
+        description="Import a transformers DeepSeek-V3 folder (Engram added) or a DeepSeek-V4.1 "
+                    "folder (its Engram tables included) as a model-only checkpoint that "
+                    "engram-train continues (docs/huggingface.md, docs/deepseek-v41.md).")
     parser.add_argument("--hf", required=True, metavar="DIR", help="config.json + safetensors")
     parser.add_argument("--out", required=True, metavar="CKPT_DIR", help="checkpoint folder to write")
     parser.add_argument("--tokenizer", default=None, metavar="PATH",
