@@ -60,33 +60,36 @@ def _blocks(values: torch.Tensor) -> torch.Tensor:
     return values.reshape(n, blocks, width)
 
 
-def e8m0_exponents(values: torch.Tensor) -> torch.Tensor:
-    """int32 [n, blocks]: per block, the smallest e with amax / 2^e <= 448, clamped to E8M0's
-    [-127, 127]; -127 for an all-zero block."""
-    amax = _blocks(values.detach().to(torch.float64).abs()).amax(dim=-1)
-    mantissa, exponent = torch.frexp(amax / E4M3_MAX)  # amax/448 = m 2^E, m in [0.5, 1)
-    exact_power = mantissa == 0.5
-    e = torch.where(exact_power, exponent - 1, exponent).to(torch.int32)
+def _block_exponents(blocks: torch.Tensor) -> torch.Tensor:
+    """int32 [n, blocks] of float32 blocks [n, blocks, width]: the smallest e with
+    amax <= 448 x 2^e (exact: amax = m 2^E with m in [0.5, 1), and 448 = 0.875 x 2^9), clamped
+    to E8M0's [-127, 127]; -127 for an all-zero block."""
+    amax = blocks.abs().amax(dim=-1)
+    mantissa, exponent = torch.frexp(amax)
+    e = torch.where(mantissa <= 0.875, exponent - 9, exponent - 8)
     e = torch.where(amax > 0, e, torch.full_like(e, -E8M0_BIAS))
     return e.clamp_(-E8M0_BIAS, E8M0_BIAS)
 
 
-def _expand(per_block: torch.Tensor, dim: int) -> torch.Tensor:
-    """[n, blocks] -> [n, dim]: each block's entry repeated over its columns."""
-    width = min(dim, SCALE_BLOCK)
-    return per_block.repeat_interleave(width, dim=1)[:, :dim]
+def e8m0_exponents(values: torch.Tensor) -> torch.Tensor:
+    """int32 [n, blocks]: per block of rows [n, D], the exponent of its E8M0 scale."""
+    return _block_exponents(_blocks(values.detach().float()))
 
 
 def _stochastic_e4m3(q: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
-    """float64 ``q`` (|q| <= 448) rounded to the E4M3 grid, the magnitude up with probability
-    (fraction below the grid step) to 2^-16, decided by ``bits``; float64 out, on the grid."""
+    """float32 ``q`` (|q| <= 448) rounded to the E4M3 grid, the magnitude up with probability
+    (fraction below the grid step) to 2^-16, decided by ``bits``: up iff
+    fraction x 2^16 >= 2^16 - bits, which is floor(units + bits / 2^16) computed exactly in
+    float32 (``units`` is the magnitude in grid steps, < 16; every quantity here is exact)."""
     magnitude = q.abs()
     _, exponent = torch.frexp(magnitude)  # magnitude = m 2^exponent, m in [0.5, 1)
-    step_exp = (exponent - 1).clamp(min=_E4M3_MIN_EXP) - _MANTISSA_BITS
-    step = torch.ldexp(torch.ones_like(magnitude), step_exp)
+    step_exp = (exponent - 1).clamp_(min=_E4M3_MIN_EXP) - _MANTISSA_BITS
+    step = torch.ldexp(torch.ones_like(magnitude), step_exp.to(magnitude.dtype))
     units = magnitude / step  # exact: a power-of-two division
-    rounded = torch.floor(units + bits.to(torch.float64) / 65536.0)
-    return torch.copysign(rounded * step, q).clamp_(-E4M3_MAX, E4M3_MAX)
+    whole = torch.floor(units)
+    up = (units - whole).mul_(65536.0) >= (65536 - bits).to(magnitude.dtype)
+    rounded = (whole + up.to(magnitude.dtype)).mul_(step)
+    return torch.copysign(rounded, q).clamp_(-E4M3_MAX, E4M3_MAX)
 
 
 def quantize_rows(values: torch.Tensor, bits: torch.Tensor | None = None
@@ -95,11 +98,13 @@ def quantize_rows(values: torch.Tensor, bits: torch.Tensor | None = None
     nearest even without ``bits``, stochastically with them (int32 [n, D] in [0, 2^16))."""
     if values.dim() != 2:
         raise ValueError(f"expected rows [n, D], got shape {tuple(values.shape)}")
-    dim = values.shape[1]
-    e = e8m0_exponents(values)
-    scaled = torch.ldexp(values.to(torch.float64), -_expand(e, dim).to(torch.float64))
+    n, dim = values.shape
+    blocks = _blocks(values.detach().float())
+    e = _block_exponents(blocks)
+    scaled = torch.ldexp(blocks, (-e).unsqueeze(-1).to(blocks.dtype))  # exact
     if bits is not None:
-        scaled = _stochastic_e4m3(scaled, bits)
+        scaled = _stochastic_e4m3(scaled, _blocks(bits))
+    scaled = scaled.reshape(n, -1)[:, :dim]
     q = scaled.clamp_(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE)  # RNE; exact on the grid
     return q, (e + E8M0_BIAS).to(torch.uint8)
 
@@ -108,8 +113,10 @@ def dequantize_rows(q: torch.Tensor, scale: torch.Tensor,
                     dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """(float8 [n, D], uint8 E8M0 [n, blocks]) -> values [n, D] in ``dtype`` (exact in bfloat16
     and float32 for the exponents a table holds)."""
-    exponent = _expand(scale.to(torch.int32) - E8M0_BIAS, q.shape[1])
-    return torch.ldexp(q.to(torch.float32), exponent.to(torch.float32)).to(dtype)
+    n, dim = q.shape
+    blocks = _blocks(q.to(torch.float32))
+    exponent = (scale.to(torch.int32) - E8M0_BIAS).unsqueeze(-1).to(torch.float32)
+    return torch.ldexp(blocks, exponent).reshape(n, -1)[:, :dim].to(dtype)
 
 
 @torch.no_grad()
