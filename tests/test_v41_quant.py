@@ -104,6 +104,38 @@ def test_a_slice_decodes_as_the_slice_of_the_whole(tmp_path, fmt, shape):
                 assert torch.equal(bits(got), bits(want)), (fmt, rows, cols)
 
 
+class Recorded:
+    """A safetensors-slice-like view of a tensor that records the boxes read."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor, self.boxes = tensor, []
+
+    def get_shape(self):
+        return list(self.tensor.shape)
+
+    def get_dtype(self):
+        return {torch.float8_e4m3fn: "F8_E4M3", torch.int8: "I8",
+                torch.float8_e8m0fnu: "F8_E8M0"}[self.tensor.dtype]
+
+    def __getitem__(self, box):
+        self.boxes.append(tuple((b.start, b.stop) for b in box))
+        return self.tensor[box]
+
+
+@pytest.mark.parametrize("fmt,shape", CASES)
+def test_a_slice_reads_only_its_blocks(fmt, shape):
+    weight, scale = random_stored(fmt, shape, seed=3)
+    w, s = Recorded(weight), Recorded(scale)
+    rows, cols = (5, 7), (33, 41)
+    got = q.decode(fmt, w, s, name="w", rows=rows, cols=cols)
+    assert torch.equal(bits(got), bits(q.decode(fmt, weight, scale, name="w")[5:7, 33:41]))
+    rb = q.row_block(fmt)
+    packed = 2 if fmt == "fp4_rows" else 1
+    assert w.boxes == [((rows[0] // rb * rb, min(-(-rows[1] // rb) * rb, shape[0])),
+                        (32 // packed, 64 // packed))]
+    assert s.boxes == [((rows[0] // rb, -(-rows[1] // rb)), (1, 2))]
+
+
 @pytest.mark.parametrize("fmt", ["fp8_rows", "fp4_rows"])
 def test_encoder_rounds_as_the_releases_quantizer(fmt):
     values = torch.randn(16, 128, generator=torch.Generator().manual_seed(3)) * 3
@@ -120,6 +152,36 @@ def test_encoder_rounds_as_the_releases_quantizer(fmt):
     assert torch.equal(bits(q.decode(fmt, weight, scale, name="w")), bits(want))
     again = q.encode(fmt, want, name="w")  # values again (a block whose codes round to at
     assert torch.equal(bits(q.decode(fmt, *again, name="w")), bits(want))  # most 448/2: halved)
+
+
+def grid_and_ties(fmt: str) -> torch.Tensor:
+    """Rows of 32 with amax 6 (FP4) resp. 448 (FP8), scale 1: every grid point, every midpoint
+    between neighbours (a tie) and the floats either side of it, with both signs."""
+    if fmt == "fp4_rows":
+        grid = torch.tensor(q.FP4_LEVELS)
+    else:
+        grid = torch.arange(127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    ties = (grid[1:] + grid[:-1]) / 2
+    points = torch.cat([grid, ties, ties.nextafter(torch.tensor(0.0)),
+                        ties.nextafter(torch.tensor(1e9))])
+    points = torch.cat([points, -points])
+    rest = torch.zeros(-(-points.numel() // 31) * 31)
+    rest[:points.numel()] = points
+    rest = rest.view(-1, 31)
+    return torch.cat([torch.full((rest.shape[0], 1), grid.max().item()), rest], dim=1)
+
+
+@pytest.mark.parametrize("fmt", ["fp8_rows", "fp4_rows"])
+def test_ties_round_to_even_as_the_releases_quantizer(fmt):
+    values = grid_and_ties(fmt)
+    with ref.side():
+        from nemo_automodel.components.models.deepseek_v41.quantization import quantize_cache
+
+        want = quantize_cache(values, format="fp8" if fmt == "fp8_rows" else "mxfp4",
+                              block_size=32) + 0.0  # -0 as +0: values compared
+    weight, scale = q.encode(fmt, values, name="w")
+    assert (scale.view(torch.uint8) == 127).all()
+    assert torch.equal(bits(q.decode(fmt, weight, scale, name="w") + 0.0), bits(want))
 
 
 def edge_cases(fmt: str, shape: tuple[int, int]):

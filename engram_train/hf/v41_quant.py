@@ -53,7 +53,6 @@ STORED_DTYPE = {"fp8_block": torch.float8_e4m3fn, "fp4_rows": torch.int8,
                 "fp8_rows": torch.float8_e4m3fn}
 SCALE_DTYPE = torch.float8_e8m0fnu
 FP4_LEVELS = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-_FP4_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 # safetensors' dtype names (a get_slice object's get_dtype()) -> torch's
 SAFETENSORS_DTYPES = {
     "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F8_E8M0": torch.float8_e8m0fnu,
@@ -140,24 +139,23 @@ def _span(span, size: int, name: str, what: str) -> tuple[int, int]:
     return start, stop
 
 
-def _fp4_table(device) -> torch.Tensor:
-    """E2M1 code -> float32 (code 8, negative zero, -> +0 as NeMo decodes it)."""
-    return torch.tensor(FP4_LEVELS + (0.0,) + tuple(-v for v in FP4_LEVELS[1:]),
-                        dtype=torch.float32, device=device)
+def _fp4_pairs(device) -> torch.Tensor:
+    """Packed byte -> its two values [256, 2] (low nibble first) in float32; code 8, E2M1's
+    negative zero, -> +0 as NeMo decodes it."""
+    table = torch.tensor(FP4_LEVELS + (0.0,) + tuple(-v for v in FP4_LEVELS[1:]),
+                         dtype=torch.float32, device=device)
+    byte = torch.arange(256, device=device)
+    return torch.stack([table[byte & 15], table[byte >> 4]], dim=1)
 
 
-def _values(fmt: str, weight, rows: tuple[int, int], cols: tuple[int, int]) -> torch.Tensor:
-    """Codes of the logical block ``[rows, cols]`` as float32 (read from `weight` alone)."""
+def _codes(fmt: str, weight, rows: tuple[int, int], cols: tuple[int, int]) -> torch.Tensor:
+    """Codes of the logical block ``[rows, cols]`` (cols even for FP4) as float32, read from
+    `weight` alone."""
     (a, b), (c0, c1) = rows, cols
     if fmt != "fp4_rows":
         return weight[a:b, c0:c1].float()
-    s0, s1 = c0 // 2, (c1 + 1) // 2
-    raw = weight[a:b, s0:s1].contiguous().view(torch.uint8)
-    table = _fp4_table(raw.device)
-    codes = torch.empty((b - a, 2 * (s1 - s0)), dtype=torch.float32, device=raw.device)
-    codes[:, 0::2] = table[(raw & 15).long()]
-    codes[:, 1::2] = table[(raw >> 4).long()]
-    return codes[:, c0 - 2 * s0: c1 - 2 * s0]
+    raw = weight[a:b, c0 // 2: c1 // 2].contiguous().view(torch.uint8)
+    return _fp4_pairs(raw.device)[raw.long()].flatten(1)
 
 
 def _scales(name: str, scale, rows: tuple[int, int], cols: tuple[int, int]) -> torch.Tensor:
@@ -169,12 +167,21 @@ def _scales(name: str, scale, rows: tuple[int, int], cols: tuple[int, int]) -> t
     return block.float()
 
 
+def _blocks(values: torch.Tensor, rb: int) -> torch.Tensor:
+    """float32 ``[rows, cols]`` zero-padded to whole blocks, viewed ``[R, rb, C, 32]``."""
+    rows, cols = values.shape
+    if rows % rb or cols % BLOCK:
+        values = torch.nn.functional.pad(values, (0, -cols % BLOCK, 0, -rows % rb))
+    return values.view(values.shape[0] // rb, rb, values.shape[1] // BLOCK, BLOCK)
+
+
 def decode(fmt: str, weight, scale, *, name: str, rows=None, cols=None,
            dtype: torch.dtype = torch.float32,
            chunk_elements: int = CHUNK_ELEMENTS) -> torch.Tensor:
     """Slice ``[rows[0]:rows[1], cols[0]:cols[1]]`` (default: all) of the logical matrix that
     stored `weight` and `scale` (tensors or safetensors ``get_slice`` objects) hold, in
-    `dtype`; `name` (the weight's) goes into every refusal."""
+    `dtype`; `name` (the weight's) goes into every refusal. Reads the scale blocks the slice
+    touches and their stored codes, about `chunk_elements` values at a time."""
     logical = check_stored(fmt, name, weight, scale)
     r0, r1 = _span(rows, logical[0], name, "rows")
     c0, c1 = _span(cols, logical[1], name, "columns")
@@ -182,25 +189,18 @@ def decode(fmt: str, weight, scale, *, name: str, rows=None, cols=None,
     if not out.numel():
         return out
     rb = row_block(fmt)
-    step = max(1, chunk_elements // (c1 - c0))
-    step = max(rb, step - step % rb)
-    sc0, sc1 = c0 // BLOCK, (c1 - 1) // BLOCK + 1
-    col_ids = torch.arange(c0, c1) // BLOCK - sc0
-    for a in range(r0, r1, step):
-        b = min(r1, a + step)
-        sa, sb = a // rb, (b - 1) // rb + 1
-        scales = _scales(name, scale, (sa, sb), (sc0, sc1))
-        row_ids = torch.arange(a, b) // rb - sa
-        codes = _values(fmt, weight, (a, b), (c0, c1))
-        out[a - r0: b - r0].copy_(codes * scales[row_ids[:, None], col_ids])
+    sc0, sc1 = c0 // BLOCK, -(-c1 // BLOCK)  # the scale columns, then their stored columns
+    ca, cz = sc0 * BLOCK, min(sc1 * BLOCK, logical[1])
+    step = max(rb, chunk_elements // (cz - ca) // rb * rb)
+    for a in range(r0 - r0 % rb, r1, step):  # whole row blocks
+        sa, sb = a // rb, -(-min(r1, a + step) // rb)
+        ra, rz = sa * rb, min(sb * rb, logical[0])
+        values = _blocks(_codes(fmt, weight, (ra, rz), (ca, cz)), rb)
+        values.mul_(_scales(name, scale, (sa, sb), (sc0, sc1))[:, None, :, None])
+        lo, hi = max(r0, ra), min(r1, rz)
+        values = values.flatten(2).flatten(0, 1)
+        out[lo - r0: hi - r0].copy_(values[lo - ra: hi - ra, c0 - ca: c1 - ca])
     return out
-
-
-def _block_amax(values: torch.Tensor, rb: int) -> torch.Tensor:
-    """Largest magnitude of each ``rb x 32`` block of float32 ``[rows, cols]`` (zero-padded)."""
-    rows, cols = values.shape
-    padded = torch.nn.functional.pad(values.abs(), (0, -cols % BLOCK, 0, -rows % rb))
-    return padded.unflatten(1, (-1, BLOCK)).unflatten(0, (-1, rb)).amax(dim=(1, 3))
 
 
 def scale_codes(amax: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -216,14 +216,18 @@ def scale_codes(amax: torch.Tensor, fmt: str) -> torch.Tensor:
 
 def fp4_codes(normalized: torch.Tensor) -> torch.Tensor:
     """E2M1 codes (uint8, 0..15) of float32 values in [-6, 6]: nearest grid point, ties to the
-    even code; anything rounding to zero is code 0."""
+    even code; anything rounding to zero is code 0. Below 1 the grid steps by 0.5 (codes 0, 1,
+    2 count the steps); from 1 up it is float32 rounded to one mantissa bit, ties to even
+    (code 2 + 2 x exponent + that bit)."""
     magnitude = normalized.abs()
-    midpoints = torch.tensor(_FP4_MIDPOINTS, dtype=torch.float32, device=normalized.device)
-    lower = torch.bucketize(magnitude, midpoints)  # a midpoint itself -> the level below it
-    tie = magnitude == midpoints[lower.clamp_max(len(_FP4_MIDPOINTS) - 1)]
-    index = lower + (tie & (lower % 2 == 1)).to(lower.dtype)
-    negative = (normalized < 0) & (index > 0)
-    return (index + 8 * negative.to(index.dtype)).to(torch.uint8)
+    bits = magnitude.view(torch.int32)
+    codes = (bits >> 22).bitwise_and_(1).add_(bits).add_((1 << 21) - 1)  # round half to even
+    codes.bitwise_right_shift_(22).sub_(2 * 127 - 2)  # exponent, one mantissa bit; 1.0 -> 2
+    twice = magnitude.mul_(2)  # (bits is read)
+    small = torch.round(twice).to(torch.int32)  # round half to even
+    codes = torch.where(twice < 2, small, codes).to(torch.uint8)
+    negative = (normalized < 0).logical_and_(codes > 0)
+    return codes.bitwise_or_(negative.to(torch.uint8).bitwise_left_shift_(3))
 
 
 def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
@@ -235,11 +239,11 @@ def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
 def _encode_rows(fmt: str, values: torch.Tensor, rb: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(stored codes, uint8 scale bytes) of float32 rows `values` (a multiple of `rb` rows or
     the matrix's last rows)."""
-    codes = scale_codes(_block_amax(values, rb), fmt)
-    row_ids = torch.arange(values.shape[0]) // rb
-    col_ids = torch.arange(values.shape[1]) // BLOCK
-    scales = codes.view(SCALE_DTYPE).float()[row_ids[:, None], col_ids]
-    normalized = values / scales
+    rows, cols = values.shape
+    blocks = _blocks(values, rb)
+    codes = scale_codes(blocks.abs().amax(dim=(1, 3)), fmt)
+    blocks = blocks / codes.view(SCALE_DTYPE).float()[:, None, :, None]
+    normalized = blocks.flatten(2).flatten(0, 1)[:rows, :cols]
     if fmt == "fp4_rows":
         return pack_fp4(fp4_codes(normalized.clamp(-FP4_MAX, FP4_MAX))), codes
     return normalized.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), codes
