@@ -8,15 +8,16 @@ on layers 2 and 4 with 2- and 3-grams of 3 heads), weights initialised and moved
 their init, is written as an unquantized folder by NeMo's own ``save_pretrained`` and state-dict
 adapter (``to_hf``), with one ``mtp.*`` tensor added. Then, in one module:
 
-- ``engram-import-hf`` at one process and at TP2 x EP2 (4 processes); the skipped-tensors line;
+- ``engram-import-hf`` at one process, at TP2 x EP2 (4 processes) and on two pipeline stages;
+  the skipped-tensors line;
 - ``engram-logits`` of each import against NeMo's logits for the same ids (within 1e-4);
-- three trainer steps from each import with the continued-pretraining command (``--config-dir
+- three trainer steps from the first two imports with the continued-pretraining command (``--config-dir
   <import>/conf model=<preset> checkpoint.load=<import>``, lr 3e-4, ``model.fake_quantize=false``
   as the layout comparisons take it): the same losses at one process and at TP2 x EP2 (1e-5);
-- the unquantized export (``export/v41_hf_export.py``, ``engram-export --format hf``'s writer)
-  of the TP2 x EP2 import: every tensor of the source back (bf16 where the layout stores bf16:
-  equal to the source rounded to bf16; float32 where it keeps float32: equal), the same
-  ``config.json`` model fields; in float32: every tensor equal to the source;
+- ``engram-export --format hf --hf-layout bf16`` of the TP2 x EP2 import: every tensor of the
+  source back (bf16 where the layout stores bf16: equal to the source rounded to bf16; float32
+  where it keeps float32: equal), the same ``config.json`` model fields; the export in float32
+  (``export/v41_hf_export.py``): every tensor equal to the source;
 - damaged folders, refused in one line naming the tensor: a tensor missing, a tensor the model
   has no place for, one of another shape.
 """
@@ -126,9 +127,11 @@ def source(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def imports(source):
-    """engram-import-hf at one process and at TP2 x EP2: {layout: (checkpoint, stdout)}."""
+    """engram-import-hf at one process, at TP2 x EP2 and on two pipeline stages: {layout:
+    (checkpoint, stdout)}."""
     root, runs = source["root"], {}
-    for name, nproc, layout in (("one", 1, []), ("tp2_ep2", 4, TP2_EP2)):
+    for name, nproc, layout in (("one", 1, []), ("tp2_ep2", 4, TP2_EP2),
+                                ("pp2", 2, ["--pipeline-parallel-size", "2"])):
         out = root / f"import_{name}"
         runs[name] = (out, launch(nproc, "engram_train.hf.importer", "--hf", source["folder"],
                                   "--out", out, "--seq-length", 64, *layout))
@@ -214,14 +217,20 @@ def _export(checkpoint, out, dtype: torch.dtype, max_shard_bytes: int = 5 * 2**3
 
 
 def test_export_gives_back_every_tensor(source, imports, tmp_path):
-    """The export of the TP2 x EP2 import: the source's names and values (bf16 where the
-    layout stores bf16, i.e. the source rounded to bf16; float32 where NeMo keeps float32),
-    its config's model fields; in float32 (sharded at 1 MiB) every tensor equal to the
-    source."""
+    """engram-export --format hf --hf-layout bf16 of the TP2 x EP2 import: the source's names
+    and values (bf16 where the layout stores bf16, i.e. the source rounded to bf16; float32
+    where NeMo keeps float32), its config's model fields; in float32 (sharded at 1 MiB) every
+    tensor equal to the source."""
     checkpoint = imports["tp2_ep2"][0]
     src = load_file(str(source["folder"] / "model.safetensors"))
     src.pop("mtp.0.ffn.gate.weight")
-    exported = _export(checkpoint, tmp_path / "bf16", torch.bfloat16)
+    from engram_train.export.export_cli import main
+
+    main(["--format", "hf", "--hf-layout", "bf16", "--load", str(checkpoint),
+          "--out", str(tmp_path / "bf16")])
+    exported = {}
+    for path in sorted((tmp_path / "bf16").glob("*.safetensors")):
+        exported.update(load_file(str(path)))
     assert sorted(exported) == sorted(src)
     kept = {k for k, v in exported.items() if v.dtype == torch.float32}
     assert all(v.dtype == torch.bfloat16 for k, v in exported.items() if k not in kept)
