@@ -3,7 +3,7 @@
 rounding unbiased and keyed by global rows (the same bytes under any split of the rows), the
 config refusals, and the trainer: a frozen fp8 run trains its backbone and keeps the table
 bytes of the init; a trained one (rowwise_adam, host placement) saved and resumed mid-run
-gives the losses of the same run without a save."""
+gives the losses of the same run without a save on device placement."""
 
 from __future__ import annotations
 
@@ -216,8 +216,11 @@ def test_frozen_fp8_tables_keep_their_bytes_while_the_backbone_trains(tmp_path):
 
 
 def test_trained_fp8_save_and_resume_give_the_losses_of_a_run_without(tmp_path):
+    """Host placement saved at 2 of 4 and resumed there against device placement without a
+    save: the same losses bit for bit (the placements read and update the same bytes)."""
     ckpt = tmp_path / "ckpt"
-    plain = _train(tmp_path, "plain", "train.train_iters=4", *FP8_TRAINED)
+    plain = _train(tmp_path, "plain", "train.train_iters=4", *FP8_TRAINED,
+                   "model.engram_table_placement=device")
     saved = _train(tmp_path, "saved", "train.train_iters=4", f"checkpoint.save={ckpt}",
                    "checkpoint.save_interval=2", *FP8_TRAINED)
     (ckpt / "latest_checkpointed_iteration.txt").write_text("2")  # resume mid-run
