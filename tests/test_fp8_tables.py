@@ -149,6 +149,22 @@ def test_config_accepts_and_counts_bytes():
     assert engram_table_bytes_per_param(trained) == 1 + 1 / 16 + 2 + 4 / 16
 
 
+def test_memory_plan_counts_fp8_tables(one_rank):
+    """engram-plan: 1 byte and a scale byte per row of 16; frozen: nothing else; trained: the
+    bf16 first moment and one float32 per row, no master."""
+    from test_memory_plan import item, plan_of
+
+    elements = item(plan_of([]).ranks[0], "engram_tables_fp32") // 4
+    frozen = plan_of(FP8_FROZEN).ranks[0]
+    assert item(frozen, "engram_tables_fp8_e4m3") == elements + elements // 16
+    assert item(frozen, "engram_table_moments") == item(frozen, "engram_table_master") == 0
+    trained = plan_of(FP8_TRAINED).ranks[0]
+    per_element = sum(b for n, _, _, b in trained.items
+                      if n.startswith("engram_table") and n != "engram_table_step") / elements
+    assert per_element == pytest.approx(1 + 1 / 16 + 2 + 4 / 16, abs=1e-6)
+    assert item(trained, "engram_table_master") == 0
+
+
 def test_resume_with_another_storage_is_refused_in_one_line():
     from engram_train.training.run_identity import _storage_change, table_storage
 
