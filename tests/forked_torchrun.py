@@ -15,7 +15,9 @@ before any thread of torch's pools or of a process group exists, so the fork is 
 from __future__ import annotations
 
 import argparse
+import atexit
 import runpy
+import signal
 import sys
 import traceback
 import uuid
@@ -34,12 +36,21 @@ PRELOAD = (
 )
 
 
-def run_as_main(script: str, argv: list[str]) -> None:
-    """The worker: the script as ``python -u script argv`` would run it."""
-    sys.argv = [script, *argv]
-    sys.path[:0] = [str(Path(script).resolve().parent)]
+def run_as_main(target: str, argv: list[str], module: bool = False) -> None:
+    """The worker: the script as ``python -u script argv`` would run it (``module``: the module
+    as ``python -u -m target argv``)."""
+    # A fresh interpreter's signal dispositions: the agent's SIGTERM handler (which raises in
+    # the agent) is inherited through the fork; a rank that the agent stops must just end.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        runpy.run_path(script, run_name="__main__")
+        if module:
+            sys.argv = [target, *argv]
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = [target, *argv]
+            sys.path[:0] = [str(Path(target).resolve().parent)]
+            runpy.run_path(target, run_name="__main__")
     except SystemExit as e:
         if e.code not in (0, None):
             raise
@@ -49,6 +60,8 @@ def run_as_main(script: str, argv: list[str]) -> None:
         traceback.print_exc()
         sys.stderr.flush()
         raise
+    finally:
+        atexit._run_exitfuncs()  # the rank's exit handlers, as its own interpreter would run them
 
 
 def main() -> None:
@@ -64,14 +77,19 @@ def main() -> None:
     sys.path[:0] = [str(REPO)]
     for name in PRELOAD:
         importlib.import_module(name)
+    launch(args.nproc_per_node, args.master_port, args.script, args.args)
+
+
+def launch(nproc: int, port: int, target: str, argv: list[str], module: bool = False) -> None:
+    """torch's elastic launcher with forked ranks, each running ``target`` as ``__main__``."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=args.nproc_per_node,
+        min_nodes=1, max_nodes=1, nproc_per_node=nproc,
         run_id=str(uuid.uuid4()), rdzv_backend="static",
-        rdzv_endpoint=f"127.0.0.1:{args.master_port}", rdzv_configs={"rank": 0},
+        rdzv_endpoint=f"127.0.0.1:{port}", rdzv_configs={"rank": 0},
         max_restarts=0, monitor_interval=0.1, start_method="fork")
-    elastic_launch(config, run_as_main)(args.script, args.args)
+    elastic_launch(config, run_as_main)(target, argv, module)
 
 
 if __name__ == "__main__":

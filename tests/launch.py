@@ -117,11 +117,59 @@ def record(cmd, ranks: int, seconds: float, cpu_seconds: float | None = None) ->
             handle.write(json.dumps(line) + "\n")
 
 
+_ZYGOTE = []  # this worker's tests/zygote.Zygote, started on first use
+_FORKABLE_KEYS = {"cwd", "env", "capture_output", "text", "timeout", "check"}
+
+
+def _zygote_command(cmd, kwargs) -> dict | None:
+    """The zygote's form of ``cmd`` when it can run it (``tests/zygote.py``), else None."""
+    if os.environ.get("ENGRAM_TEST_ZYGOTE", "1") == "0" or isinstance(cmd, str):
+        return None
+    if not kwargs.get("capture_output") or set(kwargs) - _FORKABLE_KEYS:
+        return None
+    cmd = [str(c) for c in cmd]
+    if not cmd or os.path.realpath(cmd[0]) != os.path.realpath(sys.executable):
+        return None
+    from zygote import parse
+
+    return parse(cmd[1:])
+
+
+def _run_in_zygote(cmd, command: dict, kwargs) -> tuple[subprocess.CompletedProcess, float]:
+    from zygote import Zygote
+
+    if not _ZYGOTE:
+        _ZYGOTE.append(Zygote())
+    env = dict(kwargs.get("env") or os.environ)
+    cwd = str(kwargs.get("cwd") or os.getcwd())
+    with tempfile.TemporaryDirectory(prefix="engram-launch-") as folder:
+        out, err = Path(folder) / "stdout", Path(folder) / "stderr"
+        code, cpu = _ZYGOTE[0].run(command, cwd, env, out, err, kwargs.get("timeout"))
+        stdout, stderr = out.read_bytes(), err.read_bytes()
+    if kwargs.get("text"):
+        stdout, stderr = stdout.decode(errors="replace"), stderr.decode(errors="replace")
+    if code is None:
+        raise subprocess.TimeoutExpired(cmd, kwargs.get("timeout"), output=stdout, stderr=stderr)
+    proc = subprocess.CompletedProcess(cmd, code, stdout, stderr)
+    if kwargs.get("check"):
+        proc.check_returncode()
+    return proc, cpu
+
+
 def run_process(cmd, **kwargs) -> subprocess.CompletedProcess:
-    """``subprocess.run`` holding one CPU slot per rank of ``cmd``."""
+    """``subprocess.run`` holding one CPU slot per rank of ``cmd``. A Python command the test
+    zygote recognises (a module, a script, torchrun of either; ``tests/zygote.py``) is forked
+    from it instead of started afresh: the same code runs, the imports are paid once per worker
+    (``forked=False``, or ``ENGRAM_TEST_ZYGOTE=0`` for the whole run, starts it as a user does)."""
     ranks = kwargs.pop("ranks", None) or ranks_of(cmd)
+    forked = kwargs.pop("forked", True)
+    command = _zygote_command(cmd, kwargs) if forked else None
     with cpu_slots(ranks):
         started, cpu = time.perf_counter(), children_cpu_seconds()
+        if command is not None:
+            proc, used = _run_in_zygote(cmd, command, kwargs)
+            record(cmd, ranks, time.perf_counter() - started, used)
+            return proc
         try:
             return subprocess.run(cmd, **kwargs)
         finally:
@@ -147,9 +195,15 @@ def torchrun(script: str, nproc: int, out_dir: Path, *args: str, timeout: int = 
             f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
             str(DIST_DIR / script), "--out", str(out_dir), *args,
         ]
+        kwargs = dict(env=env, capture_output=True, text=True, timeout=timeout)
+        command = _zygote_command(cmd, kwargs) if forked else None
         started, cpu = time.perf_counter(), children_cpu_seconds()
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-        record(cmd, nproc, time.perf_counter() - started, children_cpu_seconds() - cpu)
+        if command is not None:
+            proc, cpu = _run_in_zygote(cmd, command, kwargs)
+        else:
+            proc = subprocess.run(cmd, **kwargs)
+            cpu = children_cpu_seconds() - cpu
+        record(cmd, nproc, time.perf_counter() - started, cpu)
     if proc.returncode != 0:
         raise AssertionError(
             f"torchrun {script} failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
