@@ -178,7 +178,8 @@ def _check_model_family_layout(cfg, p: ParallelSizes) -> None:
     """DeepSeek-V4.1 runs data-, tensor- (with sequence parallelism), expert-, pipeline- and
     Engram-embedding-parallel, with or without recompute (docs/deepseek-v41.md 'Layouts'); not
     context-parallel (its CSA2 compressed runs and its sliding window would need the keys of
-    the other ranks' chunks) nor on a virtual pipeline (its stages hold one share each)."""
+    the other ranks' chunks) nor on a virtual pipeline (tried: megatron's interleaved schedule
+    stalled with the per-message boundary shapes of ``models/deepseek_v41/v41_pipeline.py``)."""
     if preset_family(cfg.model) != DEEPSEEK_V41:
         return
     wider = [f"system.context_parallel_size={p.context}"] if p.context > 1 else []
@@ -193,7 +194,8 @@ def _check_model_family_layout(cfg, p: ParallelSizes) -> None:
             f"{', '.join(wider)} with model_family=deepseek_v41: V4.1 trains data-, tensor- "
             "(with sequence parallelism), expert-, pipeline- and Engram-embedding-parallel, "
             "not context-parallel (its CSA2 compressed runs and sliding window are not split "
-            "over context-parallel ranks) nor on a virtual pipeline; set them to 1 / null "
+            "over context-parallel ranks) nor on a virtual pipeline (megatron's interleaved "
+            "schedule with its stage boundary is not supported); set them to 1 / null "
             "(docs/deepseek-v41.md 'Layouts')")
 
 
