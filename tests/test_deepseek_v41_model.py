@@ -245,10 +245,11 @@ def test_trainer_runs_the_tiny_preset_with_a_falling_loss(tmp_path):
 @pytest.mark.parametrize("overrides, world, match", [
     (["system.tensor_model_parallel_size=2", "system.sequence_parallel=false"], 2,
      r"tensor_model_parallel_size > 1 needs sequence parallelism"),
-    (["system.pipeline_model_parallel_size=2"], 2, r"pipeline_model_parallel_size=2 with model_"),
+    (["system.pipeline_model_parallel_size=2"], 2,  # 7 layers: no even split over 2 stages
+     r"num_layers=7 must be divisible by system.pipeline_model_parallel_size=2"),
     (["system.expert_model_parallel_size=8", "train.micro_batch_size=1"], 8,
      r"num_moe_experts=4 must be divisible by"),
-    (["system.recompute_granularity=full"], 1, r"recompute_granularity=full with model_family"),
+    (["system.context_parallel_size=2"], 2, r"context_parallel_size=2 with model_family"),
     (["+model.num_layers=4"], 1, r"unknown keys \['num_layers'\] for model_family=deepseek_v41"),
     (["+model.enable_hyper_connections=true"], 1, r"V4.1 has its own single-pass mHC"),
     (["model.model_family=deepseek_v5"], 1, r"model_family='deepseek_v5' is not a model family"),
