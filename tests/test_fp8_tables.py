@@ -89,19 +89,63 @@ def _rowwise_fp8_step(row_start: int, rows: int, grads: torch.Tensor, seed: int 
     for _ in range(2):
         local = torch.arange(rows)
         optimizer.step_rows([(local, grads[row_start:row_start + rows])])
-    return table.weight.detach().view(torch.uint8).clone(), table.weight_scale.clone()
+    return (table.weight.detach().view(torch.uint8).clone(), table.weight_scale.clone(),
+            optimizer.state[table.weight]["exp_avg_sq_row"].clone())
 
 
 def test_trained_rows_do_not_depend_on_the_row_split():
-    """The re-quantization's bits are keyed by global rows: two shards give the full table's
-    bytes, and another seed other bytes."""
+    """The re-quantization's bits and the bf16 row moment's are keyed by global rows: two
+    shards give the full table's bytes, and another seed other bytes."""
     grads = torch.randn(31, 16, generator=torch.Generator().manual_seed(1))
-    whole, whole_scale = _rowwise_fp8_step(0, 31, grads)
-    first, first_scale = _rowwise_fp8_step(0, 12, grads)
-    second, second_scale = _rowwise_fp8_step(12, 19, grads)
-    assert torch.equal(whole, torch.cat([first, second]))
-    assert torch.equal(whole_scale, torch.cat([first_scale, second_scale]))
-    assert not torch.equal(whole, _rowwise_fp8_step(0, 31, grads, seed=4)[0])
+    whole = _rowwise_fp8_step(0, 31, grads)
+    first = _rowwise_fp8_step(0, 12, grads)
+    second = _rowwise_fp8_step(12, 19, grads)
+    for one, a, b in zip(whole, first, second):
+        assert torch.equal(one, torch.cat([a, b]))
+    assert whole[2].dtype == torch.bfloat16
+    other = _rowwise_fp8_step(0, 31, grads, seed=4)
+    assert not torch.equal(whole[0], other[0]) and not torch.equal(whole[2], other[2])
+
+
+def test_bf16_row_moment_follows_the_float32_ema():
+    """An fp8 table's row second moment is bf16, stochastically rounded. With beta2 = 0.999 a
+    step moves v from 1 towards mean(g^2) = 1.5 by 0.0005, under half a bf16 step at 1
+    (2^-8): rounded to nearest, v never moves; rounded stochastically, its mean over rows
+    follows the float32 EMA."""
+    from engram_train.engram.tables import MultiHeadEmbedding
+    from engram_train.training.rowwise_adam import RowwiseAdam
+
+    rows, steps, beta2 = 1024, 200, 0.999
+    table = MultiHeadEmbedding([rows], 16, layer_id=0, seed=1, dtype=FP8_DTYPE)
+    optimizer = RowwiseAdam([{"params": [table.weight]}], lr=1e-3, betas=(0.9, beta2),
+                            state_dtype="bf16", seed=5)
+    v = optimizer.init_state(table.weight)["exp_avg_sq_row"]
+    v.fill_(1.0)
+    every, grad = torch.arange(rows), torch.full((rows, 16), 1.5**0.5)
+    exact = nearest = torch.tensor(1.0)
+    for _ in range(steps):
+        optimizer.step_rows([(every, grad)])
+        exact = exact * beta2 + (1 - beta2) * 1.5
+        nearest = (nearest * beta2 + (1 - beta2) * 1.5).bfloat16().float()
+    assert v.dtype == torch.bfloat16 and nearest.item() == 1.0  # round-to-nearest: stalled
+    assert 1.09 < exact.item() < 1.095
+    assert abs(v.double().mean().item() - exact.item()) < 0.005  # rows spread by ~0.02 each
+
+
+def test_a_float32_row_moment_loads_into_bf16():
+    """A checkpoint saved when fp8 tables kept a float32 row moment resumes: the moment is
+    converted (rounded to nearest bf16)."""
+    from engram_train.engram.tables import MultiHeadEmbedding
+    from engram_train.training.rowwise_adam import RowwiseAdam
+
+    table = MultiHeadEmbedding([5], 16, layer_id=0, seed=1, dtype=FP8_DTYPE)
+    optimizer = RowwiseAdam([{"params": [table.weight]}], lr=1e-3, state_dtype="bf16")
+    optimizer.init_state(table.weight)
+    saved = optimizer.state_dict()
+    old = torch.tensor([0.1, 0.2, 0.3, 0.4, 0.5])
+    saved["state"][0] = dict(saved["state"][0], exp_avg_sq_row=old.view(-1, 1))
+    optimizer.load_state_dict(saved)
+    assert torch.equal(optimizer.state[table.weight]["exp_avg_sq_row"], old.bfloat16())
 
 
 def test_store_rows_writes_only_the_named_rows():
@@ -146,12 +190,12 @@ def test_config_accepts_and_counts_bytes():
     trained = _config(engram_optimizer="rowwise_adam", engram_master_weights=False,
                       engram_optimizer_state_dtype="bf16")
     assert engram_table_bytes_per_param(frozen) == 1 + 1 / 16  # D = 16: one scale per row
-    assert engram_table_bytes_per_param(trained) == 1 + 1 / 16 + 2 + 4 / 16
+    assert engram_table_bytes_per_param(trained) == 1 + 1 / 16 + 2 + 2 / 16  # bf16 row moment
 
 
 def test_memory_plan_counts_fp8_tables(one_rank):
     """engram-plan: 1 byte and a scale byte per row of 16; frozen: nothing else; trained: the
-    bf16 first moment and one float32 per row, no master."""
+    bf16 first moment and one bf16 second moment per row, no master."""
     from test_memory_plan import item, plan_of
 
     elements = item(plan_of([]).ranks[0], "engram_tables_fp32") // 4
@@ -161,7 +205,7 @@ def test_memory_plan_counts_fp8_tables(one_rank):
     trained = plan_of(FP8_TRAINED).ranks[0]
     per_element = sum(b for n, _, _, b in trained.items
                       if n.startswith("engram_table") and n != "engram_table_step") / elements
-    assert per_element == pytest.approx(1 + 1 / 16 + 2 + 4 / 16, abs=1e-6)
+    assert per_element == pytest.approx(1 + 1 / 16 + 2 + 2 / 16, abs=1e-6)
     assert item(trained, "engram_table_master") == 0
 
 

@@ -121,16 +121,17 @@ def read_host_rows(weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 def table_bytes_per_param(table_dtype_bytes: float, *, master: bool, optimizer: str = "sparse_adam",
                           state_dtype_bytes: int = 4, row_width: int = 1,
-                          frozen: bool = False) -> float:
+                          frozen: bool = False, row_moment_bytes: int = 4) -> float:
     """Bytes per table parameter of a table with its optimizer state: the value (an fp8 table's
     1 byte plus its E8M0 scale's share), a float32 master (``master``), and the Adam moments:
     none for ``frozen`` (fp8 tables without state), two float32 per element (``sparse_adam``,
-    ``adam``), or a first moment of ``state_dtype_bytes`` per element plus one float32 per row
-    of ``row_width`` elements (``rowwise_adam``)."""
+    ``adam``), or a first moment of ``state_dtype_bytes`` per element plus one second moment
+    of ``row_moment_bytes`` (float32; bf16 for fp8 tables) per row of ``row_width`` elements
+    (``rowwise_adam``)."""
     if frozen:
         moments = 0.0
     elif optimizer == "rowwise_adam":
-        moments = state_dtype_bytes + 4 / row_width
+        moments = state_dtype_bytes + row_moment_bytes / row_width
     else:
         moments = 8
     return table_dtype_bytes + (4 if master else 0) + moments

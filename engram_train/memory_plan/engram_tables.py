@@ -37,7 +37,8 @@ def moment_bytes_per_element(config) -> float:
         return 8.0
     first = 2 if config.engram_optimizer_state_dtype == "bf16" else 4
     width = config.n_embed_per_ngram // config.n_head_per_ngram
-    return first + 4 / width
+    row = 2 if config.engram_table_dtype == "fp8_e4m3" else 4  # fp8: a bf16 row moment
+    return first + row / width
 
 
 def master_bytes_per_element(table_dtype: str, offload: bool, placement: str,

@@ -5,7 +5,8 @@ moment. A table row is one n-gram's memory, and its elements see gradients of si
 so one second moment per row (the mean of the squared row gradient, as FBGEMM's
 PARTIAL_ROWWISE_ADAM keeps) loses little; the first moment stays per element. State per
 parameter: ``exp_avg`` shaped like the table (float32, or bf16 with
-``engram_optimizer_state_dtype: bf16``) and ``exp_avg_sq_row`` [rows] float32.
+``engram_optimizer_state_dtype: bf16``) and ``exp_avg_sq_row`` [rows]: float32, or bfloat16
+for an fp8 table (``ROW_MOMENT_DTYPE``, below).
 
 A touched row r with gradient g [D] at step t (t counts every iteration, as ``sparse_adam``):
 
@@ -23,6 +24,14 @@ rows are split over ranks or threads. An fp8_e4m3 table (``engram/fp8_table.py``
 dequantized row by row, updated in float32 and re-quantized: each updated row gets new E8M0
 scales from its new values, and its elements are rounded to the E4M3 grid stochastically with
 the same hashed bits (stream ``STREAM_VALUE``) a bf16 table uses.
+
+An fp8 table keeps its row second moment in bfloat16 (2 bytes per row instead of 4: 1/8 of a
+byte per parameter at rows of 16). An update moves v by (1 - beta2) of its distance to
+mean(g^2), often less than half a bf16 step (2^-9 to 2^-8 of v), which round-to-nearest would
+drop every time, so the EMA would stall; it is rounded stochastically instead, with bits of its own
+stream (``STREAM_ROW_MOMENT``, column 0 of the row), so its expected value follows the float32
+EMA. The step itself uses the float32 v before that rounding. fp32 and bf16 tables keep the
+float32 row moment.
 """
 
 from __future__ import annotations
@@ -40,12 +49,19 @@ from engram_train.errors import InputError
 from engram_train.training.sparse_adam import RowOptimizer
 from engram_train.training.stochastic_rounding import (
     STREAM_MOMENT,
+    STREAM_ROW_MOMENT,
     STREAM_VALUE,
     round_rows_bf16,
     rounding_bits,
 )
 
 STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def row_moment_dtype(param_dtype: torch.dtype) -> torch.dtype:
+    """dtype of ``exp_avg_sq_row`` for a table of ``param_dtype``: bfloat16 for fp8 tables
+    (stochastically rounded), float32 for the others."""
+    return torch.bfloat16 if param_dtype == FP8_DTYPE else torch.float32
 
 
 class RowwiseAdam(RowOptimizer):
@@ -76,7 +92,8 @@ class RowwiseAdam(RowOptimizer):
             state["step"] = torch.zeros((), dtype=torch.float32)
             state["exp_avg"] = torch.zeros(param.shape, dtype=self.moment_dtype,
                                            device=param.device)
-            state["exp_avg_sq_row"] = torch.zeros(param.shape[0], dtype=torch.float32,
+            state["exp_avg_sq_row"] = torch.zeros(param.shape[0],
+                                                  dtype=row_moment_dtype(param.dtype),
                                                   device=param.device)
         return state
 
@@ -103,7 +120,7 @@ class RowwiseAdam(RowOptimizer):
             if not moments:
                 continue
             shapes = {"exp_avg": (param.shape, self.moment_dtype),
-                      "exp_avg_sq_row": ((param.shape[0],), torch.float32)}
+                      "exp_avg_sq_row": ((param.shape[0],), row_moment_dtype(param.dtype))}
             for key, value in moments.items():  # a checkpoint stores the row moment as [rows, 1]
                 target = live[param].get(key)
                 if target is None:  # no state yet: allocated here, as init_state does
@@ -111,6 +128,7 @@ class RowwiseAdam(RowOptimizer):
                     target = torch.zeros(shape, dtype=dtype, device=param.device)
                 state[key] = target
                 copy_rows(target, value.reshape(target.shape))
+
     def _store(self, target: torch.Tensor, rows: torch.Tensor, values: torch.Tensor,
                param: torch.Tensor, step: float, stream: int) -> None:
         if is_fp8_table(param) and stream == STREAM_VALUE:
@@ -124,7 +142,7 @@ class RowwiseAdam(RowOptimizer):
             values = round_rows_bf16(values, seed=self.seed,
                                      layer=int(getattr(param, "engram_layer_id", 0)),
                                      step=int(step), stream=stream, global_rows=rows + start)
-        target.index_copy_(0, rows, values.to(target.dtype))
+        target.index_copy_(0, rows, values.to(target.dtype).view(-1, *target.shape[1:]))
 
     @torch.no_grad()
     def update_rows(self, param, rows, values, plan) -> None:
@@ -134,9 +152,10 @@ class RowwiseAdam(RowOptimizer):
         rows = rows.to(param.device)
         grad = values.to(param.device, torch.float32)
         m = state["exp_avg"].index_select(0, rows).float().lerp_(grad, 1 - beta1)
-        v = state["exp_avg_sq_row"].index_select(0, rows).mul_(beta2)
+        v = state["exp_avg_sq_row"].index_select(0, rows).float().mul_(beta2)
         v.add_(grad.square().mean(dim=1), alpha=1 - beta2)
-        state["exp_avg_sq_row"].index_copy_(0, rows, v)
+        self._store(state["exp_avg_sq_row"], rows, v.unsqueeze(1), param, step,
+                    STREAM_ROW_MOMENT)
         self._store(state["exp_avg"], rows, m, param, step, STREAM_MOMENT)
         step_size = lr / (1 - beta1**step)
         denom = (v.sqrt() / (1 - beta2**step) ** 0.5).add_(eps).unsqueeze(1)

@@ -260,9 +260,10 @@ def engram_table_bytes_per_param(model_config) -> float:
     dtype = model_config.engram_table_dtype
     options = _optimizer_state_options(model_config)
     if dtype == "fp8_e4m3":  # 1 byte and the E8M0 scales; frozen: no optimizer state
-        width = options["row_width"]
+        width = options["row_width"]  # trained: a bf16 row second moment (training/rowwise_adam)
         return table_bytes_per_param(1 + scale_blocks(width) / width, master=False,
-                                     frozen=bool(model_config.engram_freeze_tables), **options)
+                                     frozen=bool(model_config.engram_freeze_tables),
+                                     row_moment_bytes=2, **options)
     bf16 = dtype == "bf16"
     return table_bytes_per_param(2 if bf16 else 4,
                                  master=bf16 and model_config.engram_master_weights, **options)

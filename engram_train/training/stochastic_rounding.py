@@ -21,7 +21,8 @@ import torch
 
 _M32 = 0xFFFFFFFF
 _M64 = (1 << 64) - 1
-STREAM_VALUE, STREAM_MOMENT = 0, 1  # independent bit streams: table values, first moments
+# independent bit streams: table values, first moments, row second moments (fp8 tables)
+STREAM_VALUE, STREAM_MOMENT, STREAM_ROW_MOMENT = 0, 1, 2
 
 
 def _splitmix64(x: int) -> int:
