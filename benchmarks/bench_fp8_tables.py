@@ -8,8 +8,8 @@
   a bf16 first moment);
 - ``fp8_frozen``: ``engram_table_dtype=fp8_e4m3`` with ``engram_freeze_tables=true`` (no
   gradient, no optimizer state);
-- ``fp8_trained``: fp8 tables trained by ``rowwise_adam`` (bf16 first moment, one float32
-  second moment per row, rows re-quantized with stochastic rounding);
+- ``fp8_trained``: fp8 tables trained by ``rowwise_adam`` (bf16 first moment, one bf16
+  second moment per row, both and the rows rounded stochastically);
 - ``fp8_frozen_d32``, ``fp8_trained_d32``: the same with rows of 32 values instead of the
   demo's 16 (``n_head_per_ngram=2``): the scale byte and the row moment spread over 32.
 
@@ -26,6 +26,8 @@ against the tables (a few MB).
 ``quality``: the trainer on the demo (its 200 iterations, validation at the end) for
 ``--seeds`` seeds (``train.seed``), host placement, ``bf16_4byte`` against ``fp8_trained``
 (and ``fp8_frozen`` as the floor): final validation loss of each run and the mean difference.
+Configurations not named in ``--configs`` are kept from ``--out`` when it has the same
+``--iters``.
 
     python benchmarks/bench_fp8_tables.py [memory|quality|timing] [--params 3e8]
         [--seeds 1 2 3] [--memory-configs NAME ...] [--iters 200] [--rounds 2]
@@ -57,7 +59,7 @@ CONFIGS = {
                     "model.engram_master_weights=false", "model.engram_optimizer_state_dtype=bf16"],
 }
 # the same with rows of 32 values (4 heads of 16 -> 2 heads of 32 per n-gram order): one E8M0
-# byte per 32 values, one float32 second moment per 32
+# byte per 32 values, one bf16 second moment per 32
 WIDE = ["model.n_head_per_ngram=2"]
 CONFIGS.update(fp8_frozen_d32=CONFIGS["fp8_frozen"] + WIDE,
                fp8_trained_d32=CONFIGS["fp8_trained"] + WIDE)
@@ -223,7 +225,12 @@ def timing(args) -> None:
 
 
 def quality(args) -> None:
-    runs: dict[str, dict[int, float]] = {}
+    path = args.out or RESULTS / "bench_fp8_tables_quality.json"
+    previous = json.loads(path.read_text()) if path.exists() else {}
+    runs: dict[str, dict[int, float]] = {
+        name: {int(seed): val for seed, val in v.items()}
+        for name, v in previous.get("final_val_loss", {}).items()
+        if previous.get("iters") == args.iters and name not in args.configs}
     for name in args.configs:
         for seed in args.seeds:
             start = time.perf_counter()
@@ -240,9 +247,8 @@ def quality(args) -> None:
             if name != "bf16_4byte" and base and set(v) == set(base)}
     for name, d in diff.items():
         print(f"{name} - bf16_4byte, mean over seeds: {d:+.4f}")
-    write_result(args.out or RESULTS / "bench_fp8_tables_quality.json",
-                 dict(iters=args.iters, seeds=args.seeds, placement="host", final_val_loss=runs,
-                      summary=summary, mean_diff_vs_bf16_4byte=diff))
+    write_result(path, dict(iters=args.iters, seeds=args.seeds, placement="host",
+                            final_val_loss=runs, summary=summary, mean_diff_vs_bf16_4byte=diff))
 
 
 def main() -> None:
