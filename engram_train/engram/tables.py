@@ -243,15 +243,17 @@ class MultiHeadEmbedding(nn.Module):
         return _Flattened(self.parallel.issue(self, rows, prefetch=prefetch))
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
-        """megatron dist_checkpointing view: the table as one ShardedTensor over its global rows
-        (so a checkpoint saved under one sharding loads under another), replicas named by the
-        method's replica id; the head offsets as a replicated tensor. Called by megatron's
+        """megatron dist_checkpointing view: the table as row-block ShardedTensor pieces of one
+        key placed by global row (``engram/table_pieces.py``: a checkpoint saved under one
+        sharding or piece size loads under another; a resume reads one piece at a time),
+        replicas named by the method's replica id; the head offsets as a replicated tensor. Called by megatron's
         ``sharded_state_dict_default`` through the Engram module."""
-        from megatron.core.dist_checkpointing.mapping import ShardedTensor
         from megatron.core.transformer.utils import (
             ensure_metadata_has_dp_cp_group,
             make_sharded_tensors_for_checkpoint,
         )
+
+        from engram_train.engram.table_pieces import row_pieces_factory
 
         if sharded_offsets:
             raise InputError(
@@ -265,25 +267,15 @@ class MultiHeadEmbedding(nn.Module):
             {"offsets": self.offsets}, prefix, {}, (), tp_group=tp_group, dp_cp_group=dp_cp_group
         )
         if self.parallel is not None:
-            shard, num_shards, replica_id = self.parallel.checkpoint_shard()
+            replica_id = self.parallel.checkpoint_shard()[2]
         else:  # a full table replicated like any megatron tensor outside TP
-            shard, num_shards = 0, 1
             replica_id = (0, _rank(tp_group), _rank(dp_cp_group))
         tensors = {"weight": self.weight}
         if "weight_scale" in self._buffers:  # fp8: the scales, sharded like the rows
             tensors["weight_scale"] = self.weight_scale
-        for name, tensor in tensors.items():
+        for name, tensor in tensors.items():  # row-block pieces (engram/table_pieces.py)
             key = f"{prefix}{name}"
-            if self.num_rows % num_shards == 0:
-                state[key] = ShardedTensor.from_rank_offsets(
-                    key, tensor, (0, shard, num_shards), replica_id=replica_id
-                )
-            else:  # uneven shards: no regular grid, placed by global offset
-                state[key] = ShardedTensor(
-                    key, tensor, tensor.dtype, tuple(tensor.shape),
-                    (self.num_rows, tensor.shape[1]), (self.row_start, 0),
-                    axis_fragmentations=None, replica_id=replica_id,
-                )
+            state[key] = row_pieces_factory(key, tensor, self.num_rows, self.row_start, replica_id)
         return state
 
 

@@ -111,10 +111,15 @@ class TableOptimizerState:
 
 
 def _row_vector_sharded(model_param, row_vector: torch.Tensor, prefix: str):
-    """A per-row optimizer vector [rows] as a ShardedTensor [rows, 1] placed like its table's
-    rows (so it reshards with the table)."""
+    """A per-row optimizer vector [rows] as [rows, 1] placed like its table's rows (so it
+    reshards with it): the table's row-block pieces (``engram/table_pieces.py``), or one
+    ShardedTensor where the table is one."""
     from dataclasses import replace
 
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    if isinstance(model_param, ShardedTensorFactory):
+        return replace(model_param, key=f"{prefix}.{model_param.key}", data=row_vector.view(-1, 1))
     fragments = model_param.axis_fragmentations
     sharded = replace(
         model_param, key=f"{prefix}.{model_param.key}", data=row_vector.view(-1, 1),
