@@ -137,8 +137,19 @@ def _child(request: dict) -> None:
             atexit._run_exitfuncs()
             sys.stdout.flush()
             sys.stderr.flush()
+            _reap_children()
         finally:
             os._exit(code)
+
+
+def _reap_children() -> None:
+    """Wait for every child left (ranks the launcher ended but did not reap), so that the CPU
+    time the zygote reads for this launch includes theirs."""
+    while True:
+        try:
+            os.waitpid(-1, 0)
+        except ChildProcessError:
+            return
 
 
 def _run(command: dict) -> int:

@@ -7,6 +7,7 @@ import atexit
 import gc
 import json
 import os
+import weakref
 from pathlib import Path
 
 import torch
@@ -83,6 +84,16 @@ def _holds_graph(value) -> bool:
     return isinstance(value, (list, tuple)) and any(_holds_graph(v) for v in value)
 
 
+def _subclasses(cls: type) -> set[type]:
+    found, todo = {cls}, [cls]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            if sub not in found:
+                found.add(sub)
+                todo.append(sub)
+    return found
+
+
 def forget_graphs() -> None:
     """Let the models of earlier layouts be freed; call it before building the next layout.
     megatron's MoE token dispatchers keep the last forward's routing tensors, with their
@@ -91,10 +102,14 @@ def forget_graphs() -> None:
     Python's collector cannot see. Each old model and its process groups (3 gloo threads each,
     polling) stayed alive: a script of 8 layouts grew to ~1600 threads per rank. Between
     layouts no backward is pending, so such tensors of every live module are dropped."""
-    for module in [o for o in gc.get_objects() if isinstance(o, torch.nn.Module)]:
+    # exact types from a set: fast over the ~10^6 objects, and never an attribute read (a dead
+    # weakref.proxy among them raises on any, isinstance included)
+    module_types = _subclasses(torch.nn.Module)
+    for module in [o for o in gc.get_objects() if type(o) in module_types]:
         # the module's own attributes and those of its plain helper objects (the dispatcher)
         owners = [module] + [v for v in vars(module).values()
-                             if hasattr(v, "__dict__") and not isinstance(v, (torch.nn.Module, type))]
+                             if not issubclass(type(v), (torch.nn.Module, type, weakref.ProxyTypes))
+                             and "__dict__" in dir(type(v))]
         for owner in owners:
             for name, value in list(vars(owner).items()):
                 if _holds_graph(value):
