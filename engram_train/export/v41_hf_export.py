@@ -41,10 +41,17 @@ from engram_train.hf.config_map import HFConfigError
 from engram_train.hf.names import Piece, UnmappedTensorError
 from engram_train.hf.v41_config_map import v41_hf_config
 from engram_train.hf.v41_names import VISION_BIAS, v41_pieces
-from engram_train.hf.v41_quant import V41QuantError
-from engram_train.hf.v41_quant_layout import RELEASE_QUANTIZATION_CONFIG, quantize_for_release
+from engram_train.engram.fp8_table import FP8_DTYPE, dequantize_rows
+from engram_train.hf.v41_quant import V41QuantError, scale_name
+from engram_train.hf.v41_quant_layout import (
+    RELEASE_QUANTIZATION_CONFIG,
+    quantize_for_release,
+    release_table_scales,
+)
 
 INDEX_FILE = "model.safetensors.index.json"
+TABLE_WEIGHT = ".engram.multi_head_embedding.weight"
+TABLE_SCALE = TABLE_WEIGHT + "_scale"  # an fp8 table's E8M0 scales (engram/fp8_table.py)
 ROW_BLOCK_ELEMENTS = 1 << 26  # large tensors are converted in row blocks of about this size
 _FLOAT32 = re.compile(r"(\.hc_(attn|ffn)_(fn|base|scale)|\.attn\.attn_sink|\.compressor\.w(kv|gate)"
                       r"\.weight|\.ffn\.gate\.bias(_vl)?)$|^head\.weight$")
@@ -61,11 +68,13 @@ def stored_tensors(name: str, value: torch.Tensor, dtype: torch.dtype = torch.bf
 
 
 class _Released:
-    """One released tensor: its checkpoint tensor and block (a `Piece`), or a constant."""
+    """One released tensor: its checkpoint tensor and block (a `Piece`), or a constant;
+    `scale_key`: the E8M0 scales of an fp8 Engram table (``engram_table_dtype: fp8_e4m3``)."""
 
     def __init__(self, key: str | None, piece: Piece | None, name: str, shape: tuple,
-                 value: torch.Tensor | None = None) -> None:
+                 value: torch.Tensor | None = None, scale_key: str | None = None) -> None:
         self.key, self.piece, self.name, self.shape, self.value = key, piece, name, shape, value
+        self.scale_key = scale_key
         self.outputs: list[TensorSpec] = []
 
     @property
@@ -79,14 +88,21 @@ def plan_released(reader: DistCheckpointReader, vocab: int, encode: Callable) ->
     (planned on meta tensors)."""
     released = []
     for key in reader.model_keys():
-        if key.endswith("_extra_state"):
-            continue
+        if key.endswith("_extra_state") or key.endswith(TABLE_SCALE):
+            continue  # an fp8 table's scales go with its rows
         try:
             pieces = v41_pieces(key, reader.tensors[key].shape, vocab)
         except UnmappedTensorError as err:
             raise ExportError(str(err)) from None
+        scale_key = None
+        if reader.tensors[key].dtype == FP8_DTYPE:
+            scale_key = key + "_scale"
+            if not key.endswith(TABLE_WEIGHT) or scale_key not in reader.tensors:
+                raise ExportError(f"{key}: an fp8 tensor that is not an Engram table with its "
+                                  f"scales ({scale_key})")
         for piece in pieces or ():
-            released.append(_Released(key, piece, piece.name, tuple(piece.shape)))
+            released.append(_Released(key, piece, piece.name, tuple(piece.shape),
+                                      scale_key=scale_key))
         if key.endswith(".ffn.gate.e_score_correction_bias"):  # the image tokens' bias: zeros
             layer = key[: -len("ffn.gate.e_score_correction_bias")]
             shape = reader.tensors[key].shape
@@ -104,26 +120,39 @@ def _row_blocks(shape: tuple) -> list[tuple[int, int]]:
     return [(r, min(step, rows - r)) for r in range(0, rows, step)] if shape else [(0, 1)]
 
 
+def _block_outputs(reader: DistCheckpointReader, item: _Released, start: int, rows: int,
+                   encode: Callable) -> list[tuple[str, torch.Tensor]]:
+    """The outputs of rows ``[start, start + rows)`` of `item`: an fp8 table's stored codes
+    and scales go through as they are (zero blocks given the release's scale), the rest is
+    read as float32 and encoded."""
+    if item.value is not None:
+        return encode(item.name, item.value if not item.shape else item.value[start:start + rows])
+    piece = item.piece
+    offsets, sizes = list(piece.start), list(piece.size)
+    lead = 1 if piece.squeeze else 0
+    offsets[lead] += start
+    sizes[lead] = rows
+    value = reader.read_region(item.key, offsets, sizes)
+    if item.scale_key is not None:
+        scale = reader.read_region(item.scale_key, offsets,
+                                   [rows, reader.tensors[item.scale_key].shape[1]])
+        if len(item.outputs) == 2:  # the released layout stores the table as the trainer does
+            return [(item.name, value), (scale_name(item.name), release_table_scales(value, scale))]
+        value = dequantize_rows(value, scale, torch.float32)
+    value = value.float()
+    value = value[0] if piece.squeeze else value
+    if not item.shape:  # a 0-d tensor
+        value = value.reshape(())
+    return encode(item.name, value)
+
+
 def write_released(writer: SafetensorsWriter, reader: DistCheckpointReader, item: _Released,
                    encode: Callable) -> None:
     """Read, convert and write `item` a row block at a time."""
     written = [0] * len(item.outputs)  # rows of each output the earlier blocks gave
     for start, rows in _row_blocks(item.shape):
-        if item.value is not None:
-            value = item.value if not item.shape else item.value[start:start + rows]
-        else:
-            piece = item.piece
-            offsets = list(piece.start)
-            sizes = list(piece.size)
-            lead = 1 if piece.squeeze else 0
-            offsets[lead] += start
-            sizes[lead] = rows
-            value = reader.read_region(item.key, offsets, sizes).float()
-            value = value[0] if piece.squeeze else value
-            if not item.shape:  # a 0-d tensor
-                value = value.reshape(())
-        for index, ((name, tensor), spec) in enumerate(zip(encode(item.name, value),
-                                                           item.outputs)):
+        outputs = _block_outputs(reader, item, start, rows, encode)
+        for index, ((name, tensor), spec) in enumerate(zip(outputs, item.outputs)):
             if not spec.shape:
                 writer.write(name, tensor)
                 continue

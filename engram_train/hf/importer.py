@@ -258,10 +258,11 @@ def peak_rss_bytes() -> int:
 def import_hf(hf: str | Path, out: str | Path, *, tokenizer: str | Path | None = None,
               preset_name: str = "hf_import", drop_mtp: bool = False, engram_layer_ids=None,
               seq_length: int = 4096, tensor: int = 1, expert: int = 1, pipeline: int = 1,
+              table_dtype: str | None = None, placement: str | None = None,
               log: Callable[[str], None] | None = None) -> Path:
     """Write `hf` as model-only checkpoint `out` (iteration 0) in the layout tensor x expert x
     pipeline (torchrun, a multiple of tensor x pipeline processes), and its preset; returns the
-    preset file."""
+    preset file. `table_dtype`, `placement` (DeepSeek-V4.1): the preset's Engram tables."""
     import torch.distributed as dist
 
     from engram_train.checkpoint import has_checkpoints
@@ -282,7 +283,8 @@ def import_hf(hf: str | Path, out: str | Path, *, tokenizer: str | Path | None =
 
         return import_v41(hf, out, doc, tokenizer=tokenizer, preset_name=preset_name,
                           engram_layer_ids=engram_layer_ids, seq_length=seq_length,
-                          tensor=tensor, expert=expert, pipeline=pipeline, log=log)
+                          tensor=tensor, expert=expert, pipeline=pipeline,
+                          table_dtype=table_dtype, placement=placement, log=log)
     try:
         preset = preset_from_hf(doc)
         folder = HFFolder(hf, tuple((doc.get("quantization_config") or {}).get(
@@ -370,6 +372,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="expert-parallel size of the checkpoint (run under torchrun)")
     parser.add_argument("--pipeline-parallel-size", type=int, default=1,
                         help="pipeline stages the model is split over (run under torchrun)")
+    parser.add_argument("--engram-table-dtype", default=None,
+                        choices=("fp32", "bf16", "fp8_e4m3"),
+                        help="DeepSeek-V4.1: the preset's Engram table dtype (fp8_e4m3 keeps the "
+                             "release's FP8 codes and scales; default fp32)")
+    parser.add_argument("--engram-table-placement", default=None, choices=("device", "host"),
+                        help="DeepSeek-V4.1: where the preset keeps the Engram tables")
     return parser
 
 
@@ -379,7 +387,8 @@ def main(argv: list[str] | None = None) -> None:
         import_hf(args.hf, args.out, tokenizer=args.tokenizer, preset_name=args.preset_name,
                   drop_mtp=args.drop_mtp, engram_layer_ids=args.engram_layer_ids,
                   seq_length=args.seq_length, tensor=args.tensor_model_parallel_size,
-                  expert=args.expert_model_parallel_size, pipeline=args.pipeline_parallel_size)
+                  expert=args.expert_model_parallel_size, pipeline=args.pipeline_parallel_size,
+                  table_dtype=args.engram_table_dtype, placement=args.engram_table_placement)
     except EngramError as err:
         raise SystemExit(f"engram-import-hf: error: {err}") from None
 

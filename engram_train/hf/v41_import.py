@@ -30,10 +30,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
 from engram_train.hf.config_map import HFConfigError
 from engram_train.hf.importer import (
     HFImportError,
+    _global_view,
     _run_config,
+    _sharded_tensors,
     build_shard,
     check_all_used,
     fill_shard,
@@ -46,6 +50,63 @@ from engram_train.hf.v41_names import skipped_kind, v41_pieces
 from engram_train.hf.v41_quant_folder import V41Folder
 
 VOCAB_NAMES = ("embed.weight", "head.weight")
+TABLE_KEY = ".engram.multi_head_embedding.weight"
+TABLE_DTYPES = ("fp32", "bf16", "fp8_e4m3")
+# an fp8 table trains as docs/host-tables.md recommends (no float32 master: rowwise_adam)
+FP8_TABLE_FIELDS = {"engram_table_dtype": "fp8_e4m3", "engram_optimizer": "rowwise_adam",
+                    "engram_master_weights": False, "engram_optimizer_state_dtype": "bf16"}
+
+
+def table_fields(table_dtype: str | None, placement: str | None) -> dict:
+    """The preset's Engram table fields for ``--engram-table-dtype`` / ``--engram-table-placement``
+    (None: the trainer's defaults, float32 tables with the model)."""
+    fields: dict = {}
+    if table_dtype not in (None, *TABLE_DTYPES):
+        raise HFImportError(f"--engram-table-dtype {table_dtype}: one of {', '.join(TABLE_DTYPES)}")
+    if table_dtype == "fp8_e4m3":
+        fields.update(FP8_TABLE_FIELDS)
+    elif table_dtype == "bf16":  # the 4-byte configuration
+        fields.update(engram_table_dtype="bf16", engram_optimizer="rowwise_adam",
+                      engram_master_weights=False, engram_optimizer_state_dtype="bf16")
+    if placement is not None:
+        fields["engram_table_placement"] = placement
+    return fields
+
+
+def _fp8_names(key: str, shape, vocab: int):
+    """`v41_pieces`, with an fp8 table and its scales left to `fill_fp8_tables`."""
+    if key.endswith(TABLE_KEY) or key.endswith(TABLE_KEY + "_scale"):
+        return None
+    return v41_pieces(key, shape, vocab)
+
+
+def fill_fp8_tables(model: list, folder: V41Folder) -> set[str]:
+    """This rank's rows of each fp8 Engram table: the folder's codes and scales as stored
+    (a floating table quantized); returns the folder tensors used."""
+    from engram_train.hf.v41_names import v41_pieces as pieces
+
+    used = set()
+    views = {view[0]: (sh, view) for sh in _sharded_tensors(model)
+             for view in [_global_view(sh)]}
+    for key, (sh, (_, shape, offset, size)) in views.items():
+        if not key.endswith(TABLE_KEY):
+            continue
+        scale = views[key + "_scale"][0].data
+        name = pieces(key, shape, 0)[0].name
+        if name not in folder:
+            raise HFImportError(f"{folder.folder} has no {name} (megatron {key} needs it)")
+        if folder.shape(name) != tuple(shape):
+            raise HFImportError(f"{name} has shape {folder.shape(name)}, the model built from "
+                                f"config.json needs {tuple(shape)}")
+        weight, rows = sh.data, int(size[0])
+        step = max(1, (1 << 22) // max(1, int(shape[1])))
+        for lo in range(0, rows, step):  # a bounded block of rows at a time
+            codes, stored = folder.read_table_rows(name, int(offset[0]) + lo, min(step, rows - lo))
+            weight.data[lo:lo + codes.shape[0]].view(torch.uint8).copy_(codes.view(torch.uint8))
+            scale[lo:lo + codes.shape[0]].copy_(stored)
+            folder.close()
+        used.add(name)
+    return used
 
 
 def _skipped(folder: HFFolder) -> dict[str, list[str]]:
@@ -74,7 +135,8 @@ def check_engram_tokenizer(text: dict, tokenizer_file: Path) -> None:
 
 def import_v41(hf: Path, out: Path, doc: dict, *, tokenizer=None, preset_name: str = "hf_import",
                engram_layer_ids=None, seq_length: int = 4096, tensor: int = 1, expert: int = 1,
-               pipeline: int = 1, log: Callable[[str], None] | None = None) -> Path:
+               pipeline: int = 1, table_dtype: str | None = None, placement: str | None = None,
+               log: Callable[[str], None] | None = None) -> Path:
     """`importer.import_hf` for a V4.1 folder (module docstring); returns the preset file."""
     import torch.distributed as dist
 
@@ -89,6 +151,8 @@ def import_v41(hf: Path, out: Path, doc: dict, *, tokenizer=None, preset_name: s
                             "(config.json text_config.engram_layer_ids); drop the option")
     try:
         section = v41_preset_from_hf(doc)
+        if section.get("use_engram"):
+            section.update(table_fields(table_dtype, placement))
         text = text_config(doc)
         folder = V41Folder(hf)
         skipped = _skipped(folder)
@@ -103,8 +167,11 @@ def import_v41(hf: Path, out: Path, doc: dict, *, tokenizer=None, preset_name: s
     baseline = peak_rss_bytes()
     config, model = build_shard(cfg, vocab)
     fields = {"vocab_size": int(text["vocab_size"]), "tie_word_embeddings": False}
-    used, warnings = fill_shard(model, folder, fields, vocab, names=v41_pieces,
-                                vocab_names=VOCAB_NAMES)
+    fp8 = section.get("engram_table_dtype") == "fp8_e4m3"
+    used, warnings = fill_shard(model, folder, fields, vocab,
+                                names=_fp8_names if fp8 else v41_pieces, vocab_names=VOCAB_NAMES)
+    if fp8:
+        used |= fill_fp8_tables(model, folder)
     folder.close()
     check_all_used(folder, used, skip)
     if dist.get_rank() == 0:

@@ -15,7 +15,13 @@ from __future__ import annotations
 import torch
 
 from engram_train.hf.source import HFFolder
-from engram_train.hf.v41_quant import check_stored, dtype_of, scale_name
+from engram_train.hf.v41_quant import (
+    E8M0_NAN,
+    V41QuantSourceError,
+    check_stored,
+    dtype_of,
+    scale_name,
+)
 from engram_train.hf.v41_quant_layout import (
     dequantize_from_release,
     quantized_format,
@@ -72,6 +78,25 @@ class V41Folder(HFFolder):
         refuse_unfloating(name, dtype_of(weight), self._scale(name) is not None)
         box = tuple(slice(int(a), int(a) + int(n)) for a, n in zip(start, size))
         return (weight[box] if box else weight[:]).float()
+
+    def read_table_rows(self, name: str, start: int, rows: int
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows ``[start, start + rows)`` of Engram table `name` as an fp8 table keeps them
+        (``engram/fp8_table.py``: float8 codes, uint8 E8M0 bytes per row and 32 columns): the
+        stored codes and scales of the released layout as they are, a floating table
+        quantized (round to nearest even)."""
+        from engram_train.engram.fp8_table import quantize_rows
+
+        weight, scale = self._slice(name), self._scale(name)
+        if dtype_of(weight) != torch.float8_e4m3fn:
+            return quantize_rows(self.read_block(name, (start, 0), (rows, self.shape(name)[1])))
+        check_stored(quantized_format(name, dtype_of(weight)), name, weight, scale)
+        codes = weight[start:start + rows]
+        stored = scale[start:start + rows]
+        if (stored.view(torch.uint8) == E8M0_NAN).any():
+            raise V41QuantSourceError(f"{scale_name(name)}: a scale holds E8M0's NaN code 0xFF "
+                                      "(the folder is damaged)")
+        return codes, stored.view(torch.uint8)
 
     def read(self, name: str) -> torch.Tensor:
         shape = self.shape(name)

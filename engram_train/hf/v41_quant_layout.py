@@ -22,6 +22,8 @@ import re
 import torch
 
 from engram_train.hf.v41_quant import (
+    E8M0_BIAS,
+    FP8_ZERO_BLOCK_EXPONENT,
     QUANTIZED_FORMATS,
     SCALE_DTYPE,
     STORED_DTYPE,
@@ -146,6 +148,20 @@ def dequantize_from_release(name: str, weight, scale=None, *, rows=None, cols=No
         (r0, r1), (c0, c1) = rows or (0, shape[0]), cols or (0, shape[1])
         value = weight[r0:r1, c0:c1]
     return value.to(dtype=dtype, copy=True)
+
+
+def release_table_scales(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The released ``.scale`` of the rows of an fp8 Engram table as the trainer keeps them
+    (``engram/fp8_table.py``: float8 codes ``[n, D]``, uint8 E8M0 bytes ``[n, blocks]``): the
+    same bytes (both pick the smallest power of two at or above amax / 448 per row and 32
+    columns, clamped to E8M0's range), except that a block whose codes are all zero gets the
+    release's zero-block scale 2^-22 (the trainer's is 2^-127; the values, zero, are the same)."""
+    from engram_train.engram.fp8_table import _blocks
+
+    zero = (_blocks(codes.float()) == 0).all(dim=-1)
+    stored = scale.view(torch.uint8) if scale.dtype != torch.uint8 else scale
+    floor = torch.full_like(stored, FP8_ZERO_BLOCK_EXPONENT + E8M0_BIAS)
+    return torch.where(zero, floor, stored).view(SCALE_DTYPE)
 
 
 def release_weight_names(names) -> list[str]:
