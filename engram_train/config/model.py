@@ -130,7 +130,8 @@ class EngramConfig:
 
     engram_optimizer_state_dtype: str = "fp32"
     """dtype of rowwise_adam's per-element first moment: 'fp32' or 'bf16' (stochastically
-    rounded like the values); its second moment is one float32 per row."""
+    rounded like the values); its second moment is one float32 per row (bf16, stochastically
+    rounded, for fp8_e4m3 tables)."""
 
     engram_overlap_host_update: bool = True
     """Host-resident tables: run step t's table update on a host thread while step t+1 starts;
