@@ -101,11 +101,38 @@ def test_pieces_tile_the_rows_and_a_part_loads_the_overlap(tmp_path, monkeypatch
     assert torch.equal(part, ref[300:700])
 
 
-def test_merge_of_pieces_not_on_one_memory_concatenates():
+def test_pieces_alias_the_live_memory_with_storages_of_their_own(monkeypatch):
+    """megatron's writer clones a view of a larger storage: the pieces are not such views."""
+    from megatron.core.dist_checkpointing.mapping import apply_factories
+
     from engram_train.engram.table_pieces import _merge
 
+    w = tables()["w"]
+    built = {"w": pieces("w", w, ROWS, 0, 640, monkeypatch)}
+    apply_factories(built)
+    assert len(built["w"]) == 50
+    for p in built["w"]:
+        assert p.data.untyped_storage().nbytes() == p.data.nbytes
+    assert built["w"][1].data.data_ptr() == w[20:].data_ptr()
+    assert _merge([p.data for p in built["w"]]) is w
     a, b = torch.ones(3, 2), torch.zeros(2, 2)
     assert torch.equal(_merge([a, b]), torch.cat([a, b]))
-    base = torch.arange(10.0).view(5, 2)
-    merged = _merge([base[:2], base[2:]])
-    assert merged.data_ptr() == base.data_ptr() and torch.equal(merged, base)
+
+
+def test_a_row_vector_is_saved_as_a_column_and_loads_back_into_the_live_vector(tmp_path,
+                                                                                monkeypatch):
+    """rowwise_adam's row moment [rows] is saved as [rows, 1] (as one-piece checkpoints hold
+    it); the load hands back the live vector."""
+    from engram_train.engram.table_pieces import as_column
+
+    torch.manual_seed(1)
+    vector = torch.rand(ROWS)
+    table = torch.zeros(ROWS, D)
+    save(tmp_path / "old", {"v": single("v", vector.view(-1, 1), ROWS, 0)})
+    live = torch.zeros(ROWS)
+    out = load(tmp_path / "old", {"v": as_column(pieces("t", table, ROWS, 0, 640, monkeypatch), "v", live)})
+    assert torch.equal(live, vector) and out["v"] is live
+    save(tmp_path / "new", {"v": as_column(pieces("t", table, ROWS, 0, 640, monkeypatch), "v", vector)})
+    column = torch.zeros(ROWS, 1)
+    load(tmp_path / "new", {"v": single("v", column, ROWS, 0)})
+    assert torch.equal(column.view(-1), vector)

@@ -119,7 +119,9 @@ def _row_vector_sharded(model_param, row_vector: torch.Tensor, prefix: str):
     from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
 
     if isinstance(model_param, ShardedTensorFactory):
-        return replace(model_param, key=f"{prefix}.{model_param.key}", data=row_vector.view(-1, 1))
+        from engram_train.engram.table_pieces import as_column
+
+        return as_column(model_param, f"{prefix}.{model_param.key}", row_vector)
     fragments = model_param.axis_fragmentations
     sharded = replace(
         model_param, key=f"{prefix}.{model_param.key}", data=row_vector.view(-1, 1),
