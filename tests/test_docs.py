@@ -295,3 +295,48 @@ def test_own_data_preprocess_runs_as_written(tmp_path):
         made = tmp_path / "outputs" / f"my_corpus_text_document{suffix}"
         assert made.read_bytes() == shipped.with_suffix(suffix).read_bytes(), suffix
 
+
+
+def v41_recipe_commands() -> list[str]:
+    """docs/deepseek-v41.md 'Import and export': the recipe's commands (its first bash block)."""
+    text = (REPO / "docs" / "deepseek-v41.md").read_text().split("\n## Import and export", 1)[1]
+    return shell_commands(re.findall(r"```bash\n(.*?)```", text, flags=re.S)[0])
+
+
+def test_v41_recipe_runs_at_tiny_size(tmp_path):
+    """The V4.1 recipe as written (import with FP8 tables on the host, at TP2 x EP2 too,
+    continued training, export) on NeMo's tiny V4.1 quantized by the project's encoder
+    (tests/test_v41_quant_folder.py), its paths moved into a scratch folder, the trainer at
+    2 steps of 2 x 32 tokens; the export has the source's names, dtypes and shapes."""
+    import v41_reference as ref
+    from test_v41_quant_folder import _tensors, nemo_quantized_folder
+
+    commands = v41_recipe_commands()
+    assert [words_of(c)[0] for c in commands] == [
+        "engram-import-hf", "torchrun", "torchrun", "engram-export"], commands
+    with ref.side():
+        nemo_quantized_folder(tmp_path / "release")
+    moved = {"/models/v41_continued": tmp_path / "served", "/models/v41": tmp_path / "release",
+             "/ckpt/": f"{tmp_path}/ckpt/", "/runs/": f"{tmp_path}/runs/",
+             "/data/corpus_text_document": REPO / "examples" / "data" / "demo_text_document"}
+    modules = {"engram-import-hf": "engram_train.hf.importer", "engram-export": "engram_train.export"}
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", ENGRAM_SHOW_WARNINGS="0")
+    for command in commands:
+        for path, where in moved.items():
+            command = command.replace(path, str(where))
+        words = words_of(command)
+        if words[0] == "torchrun":
+            argv = [sys.executable, "-m", "torch.distributed.run", f"--master-port={free_port()}",
+                    *words[1:]]
+        else:
+            argv = [sys.executable, "-m", modules[words[0]], *words[1:]]
+        if "engram_train.train" in words:
+            argv += ["train.train_iters=2", "train.global_batch_size=2", "train.micro_batch_size=1",
+                     "train.seq_length=32", "train.eval_interval=null", "train.log_interval=1",
+                     "train.lr_warmup_iters=0"]
+        proc = run_process(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, f"{command}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    source, served = _tensors(tmp_path / "release"), _tensors(tmp_path / "served")
+    assert sorted(served) == sorted(source)
+    for name, value in served.items():
+        assert (value.dtype, value.shape) == (source[name].dtype, source[name].shape), name

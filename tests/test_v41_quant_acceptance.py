@@ -18,7 +18,8 @@ reference. Then, in one module:
   keep the folder's FP8 codes and E8M0 scales byte for byte (the export passes them through),
   logits as above; two trainer steps from it (tables trained on the host) export in the
   released layout with the trained tables' codes and scales as stored (an all-zero block takes
-  the release's scale 2^-22).
+  the release's scale 2^-22); ``--hf-layout bf16`` writes the fp8 tables' values exactly;
+- the trainer's fp8 rows against the release's encoder of their values (in-process).
 """
 
 from __future__ import annotations
@@ -222,6 +223,14 @@ def test_export_of_the_tp2_ep2_import_gives_back_the_folder(source, imports, tmp
             for key in tables:
                 for part in (key, q.scale_name(key)):
                     assert torch.equal(_bytes(exported[part]), _bytes(src[part])), part
+            from engram_train.export.export_cli import main
+
+            main(["--format", "hf", "--load", str(checkpoint), "--out", str(tmp_path / "bf16"),
+                  "--hf-layout", "bf16"])
+            unquantized = _tensors(tmp_path / "bf16")
+            for key in tables:  # fp8 values dequantized, exact in bf16
+                assert unquantized[key].dtype == torch.bfloat16
+                assert torch.equal(unquantized[key].float(), want[key]), key
 
 
 def test_trained_fp8_tables_export_as_stored(source, imports, tmp_path):
