@@ -3,7 +3,8 @@
 rounding unbiased and keyed by global rows (the same bytes under any split of the rows), the
 config refusals, and the trainer: a frozen fp8 run trains its backbone and keeps the table
 bytes of the init; a trained one (rowwise_adam, host placement) saved and resumed mid-run
-gives the losses of the same run without a save on device placement."""
+gives the losses of the same run without a save on device placement, and its checkpoint holds
+the bf16 row second moment."""
 
 from __future__ import annotations
 
@@ -287,6 +288,11 @@ def test_trained_fp8_save_and_resume_give_the_losses_of_a_run_without(tmp_path):
     resumed = _train(tmp_path, "resumed", "train.train_iters=4", f"checkpoint.load={ckpt}",
                      *FP8_TRAINED)
     assert len(plain) == 4 and saved == plain and resumed == plain[2:]
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved_state = FileSystemReader(str(ckpt / "iter_0000002")).read_metadata().state_dict_metadata
+    row_moments = [m.properties.dtype for k, m in saved_state.items() if "exp_avg_sq_row" in k]
+    assert row_moments and set(row_moments) == {torch.bfloat16}  # the bf16 row moment is saved
     from engram_train.export import ExportError, export_checkpoint
 
     with pytest.raises(ExportError, match="engram_table_dtype=fp8_e4m3"):  # no scales there yet
