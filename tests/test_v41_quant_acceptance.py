@@ -12,7 +12,7 @@ reference. Then, in one module:
 
 - ``engram-import-hf`` at TP2 x EP2 (4 processes), float32 tables; ``engram-logits`` of the
   import equals the reference within 1e-4; ``engram-export --format hf`` of the import gives
-  back every quantized tensor's bytes' values exactly with the same names, dtypes and shapes,
+  back every quantized tensor's values exactly with the same names, dtypes and shapes,
   every other tensor within 1e-6; the ranks' peak RSS per parameter of their shard;
 - ``--engram-table-dtype fp8_e4m3 --engram-table-placement host`` at TP2 x EP2: the tables
   keep the folder's FP8 codes and E8M0 scales byte for byte (the export passes them through),

@@ -285,6 +285,10 @@ def import_hf(hf: str | Path, out: str | Path, *, tokenizer: str | Path | None =
                           engram_layer_ids=engram_layer_ids, seq_length=seq_length,
                           tensor=tensor, expert=expert, pipeline=pipeline,
                           table_dtype=table_dtype, placement=placement, log=log)
+    if table_dtype is not None or placement is not None:
+        raise HFImportError("--engram-table-dtype/--engram-table-placement: a DeepSeek-V3 import "
+                            "has Engram off; the continued run sets its tables "
+                            "(model.engram_table_dtype, model.engram_table_placement)")
     try:
         preset = preset_from_hf(doc)
         folder = HFFolder(hf, tuple((doc.get("quantization_config") or {}).get(

@@ -14,7 +14,10 @@ folder's Engram fields: V4.1 ships its tables) goes to ``CKPT_DIR/conf/model/NAM
 
 The folder may hold the release's quantized layout (FP8/FP4 weights with E8M0 ``.scale``
 tensors, ``v41_quant_layout.py``): `V41Folder` dequantizes each block a rank reads from the
-stored codes and scale blocks of that block alone.
+stored codes and scale blocks of that block alone. ``--engram-table-dtype fp8_e4m3``
+(`table_fields`: fp8 tables trained by ``rowwise_adam`` without a master) copies the release's
+FP8 codes and E8M0 scales of the Engram tables into the shards as stored (`fill_fp8_tables`);
+``--engram-table-placement host`` builds the table shards in host memory and records it.
 
 Skipped with one line saying how many: the DSpark/MTP draft (``mtp.*``) and the vision side
 (``vision.*``, ``aligner.*``, ``image_*``, the routers' ``bias_vl``). Refused in one line: a
@@ -153,6 +156,9 @@ def import_v41(hf: Path, out: Path, doc: dict, *, tokenizer=None, preset_name: s
         section = v41_preset_from_hf(doc)
         if section.get("use_engram"):
             section.update(table_fields(table_dtype, placement))
+        elif table_dtype is not None or placement is not None:
+            raise HFImportError("--engram-table-dtype/--engram-table-placement: the folder's "
+                                "config.json has no Engram layers (text_config.engram_layer_ids)")
         text = text_config(doc)
         folder = V41Folder(hf)
         skipped = _skipped(folder)
