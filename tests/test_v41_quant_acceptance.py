@@ -19,7 +19,8 @@ reference. Then, in one module:
   logits as above; two trainer steps from it (tables trained on the host) export in the
   released layout with the trained tables' codes and scales as stored (an all-zero block takes
   the release's scale 2^-22); ``--hf-layout bf16`` writes the fp8 tables' values exactly;
-- the trainer's fp8 rows against the release's encoder of their values (in-process).
+- the trainer's fp8 rows against the release's encoder of their values, and a folder's table
+  rows read for an fp8 preset (in-process).
 """
 
 from __future__ import annotations
@@ -292,3 +293,32 @@ def test_trainer_fp8_rows_are_the_release_bytes(width):
     same_rows = ~edge.any(dim=1)
     assert torch.equal(_bytes(want_codes)[same_rows], _bytes(codes)[same_rows])
     assert (_bytes(released)[3] == 127 + q.FP8_ZERO_BLOCK_EXPONENT).all()
+
+
+def test_table_rows_for_an_fp8_preset(tmp_path):
+    """`V41Folder.read_table_rows`: a released table's codes and scales as stored (any row
+    range), a floating table rounded to nearest even as the trainer quantizes; a NaN scale
+    refused."""
+    from engram_train.engram.fp8_table import quantize_rows
+    from engram_train.hf.v41_quant_folder import V41Folder
+
+    g = torch.Generator().manual_seed(3)
+    values = torch.randn(70, 48, generator=g)
+    codes, scale = q.encode("fp8_rows", values, name="t")
+    save_file({"layers.1.engram.embed.weight": codes, "layers.1.engram.embed.scale": scale,
+               "layers.2.engram.embed.weight": values}, str(tmp_path / "model.safetensors"))
+    folder = V41Folder(tmp_path)
+    got_codes, got_scale = folder.read_table_rows("layers.1.engram.embed.weight", 5, 40)
+    assert torch.equal(_bytes(got_codes), _bytes(codes[5:45]))
+    assert torch.equal(got_scale, _bytes(scale[5:45])) and got_scale.dtype == torch.uint8
+    got_codes, got_scale = folder.read_table_rows("layers.2.engram.embed.weight", 60, 10)
+    want_codes, want_scale = quantize_rows(values[60:])
+    assert torch.equal(_bytes(got_codes), _bytes(want_codes)) and torch.equal(got_scale, want_scale)
+    folder.close()
+    broken = _bytes(scale).clone()
+    broken[7, 1] = q.E8M0_NAN
+    save_file({"layers.1.engram.embed.weight": codes,
+               "layers.1.engram.embed.scale": broken.view(q.SCALE_DTYPE)},
+              str(tmp_path / "model.safetensors"))
+    with pytest.raises(q.V41QuantSourceError, match="NaN code"):
+        V41Folder(tmp_path).read_table_rows("layers.1.engram.embed.weight", 0, 8)
