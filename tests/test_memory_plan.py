@@ -154,6 +154,27 @@ def test_cpu_attention_scores_are_float32(one_rank):
         assert item(r, "attention_score_transients") == int(SCORE_TRANSIENTS * per_layer)
 
 
+def test_cpu_backend_items(one_rank):
+    """The CPU backend's own bytes: glibc's untrimmed heap top on every CPU rank; oneDNN's
+    kernel caches only for bf16 with MoE layers, the square root of the share of 240 expert batches the run has; none on the GPU."""
+    from engram_train.memory_plan.fixed import (CPU_BF16_MOE_KERNEL_CACHE_BYTES,
+                                                CPU_HEAP_TOP_BYTES)
+
+    dense = ["model.num_moe_experts=null", "model.moe_ffn_hidden_size=null",
+             "model.moe_shared_expert_intermediate_size=null"]
+    fp32, bf16, bf16_dense, short, gpu = (plan_of(o, device=d).ranks[0] for o, d in (
+        ([], "cpu"), (["system.precision=bf16"], "cpu"),
+        (["system.precision=bf16", *dense], "cpu"),
+        (["system.precision=bf16", "train.train_iters=2"], "cpu"),
+        (["system.precision=bf16"], "cuda")))
+    assert item(fp32, "cpu_heap_top") == CPU_HEAP_TOP_BYTES == item(bf16_dense, "cpu_heap_top")
+    assert item(fp32, "cpu_bf16_moe_kernel_cache") == 0 == item(bf16_dense, "cpu_bf16_moe_kernel_cache")
+    assert item(bf16, "cpu_bf16_moe_kernel_cache") == CPU_BF16_MOE_KERNEL_CACHE_BYTES
+    # 2 steps of 4 micro-batches, 4 experts on 3 MoE layers
+    assert item(short, "cpu_bf16_moe_kernel_cache") == int(CPU_BF16_MOE_KERNEL_CACHE_BYTES * (96 / 240) ** 0.5)
+    assert not any(n.startswith("cpu_") for n, _, _, _ in gpu.items)
+
+
 def test_parse_bytes():
     from engram_train.memory_plan.plan_cli import PlanError, parse_bytes
 

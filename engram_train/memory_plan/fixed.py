@@ -44,3 +44,43 @@ def host_fixed_items(device: str, cpu_baseline: int | None) -> list[tuple[str, i
     if device == "cpu":
         return [("process_baseline", cpu_baseline if cpu_baseline is not None else CPU_PROCESS_BYTES)]
     return [("process_baseline", CUDA_HOST_PROCESS_BYTES)]
+
+
+# CPU runs: what torch's CPU backend keeps beyond the tensors (measured on deepseek_v3_tiny with
+# an RSS probe around every module's forward and backward, benchmarks/measure_memory_plan.py
+# --set calibration; docs/memory.md 'What the plan missed').
+CPU_BF16_MOE_KERNEL_CACHE_BYTES = 640 * MIB
+"""bf16 matmuls on the CPU run through oneDNN, which keeps a primitive with its JIT-compiled
+kernels for every problem shape it has seen (up to ONEDNN_PRIMITIVE_CACHE_CAPACITY, 1024, and
+its kernel caches). An MoE's experts see another token count in every micro-batch, so a bf16
+MoE run makes new shapes until the caches are full: +570 MiB at hidden 64, about +650 MiB at
+hidden 512 (deepseek_v3_tiny: 4 experts, 3 MoE layers), flat after 20-28 micro-batches (0.29
+GiB of it goes with ONEDNN_PRIMITIVE_CACHE_CAPACITY=0). A dense bf16 model (fixed shapes) and
+fp32 (no oneDNN matmul) add nothing."""
+CPU_KERNEL_CACHE_FILL_EXPERT_BATCHES = 240
+"""Expert batches (micro-batches x the rank's experts x MoE layers) that fill it: every
+expert batch of a token count not seen before is a new shape; measured full after 20
+micro-batches of 4 experts on 3 MoE layers. Early batches bring the most new counts, so a run
+(or a rank) with fewer batches holds the square root of their share (measured: a third after
+48 batches, 0.6 after 96 on one MoE layer, 0.9 after 192; a linear share undercounted a PP2
+stage of one MoE layer by 22%)."""
+CPU_HEAP_TOP_BYTES = 64 * MIB
+"""glibc malloc raises its mmap threshold to the size of a freed block (up to 32 MiB), so
+activation tensors come from the heap, and keeps up to its trim threshold (twice that: 64 MiB)
+of freed heap resident: a CPU run's RSS stays up to 64 MiB above its live tensors (measured
++120 MiB at 1024 tokens per micro-batch against a fixed mmap threshold, the rest holes in the
+heap)."""
+
+
+def cpu_runtime_items(device: str, precision: str, expert_batches: int | None,
+                      moe_on_stage: bool) -> list[tuple[str, int]]:
+    """What the CPU backend keeps beyond the planned tensors (none on the GPU);
+    ``expert_batches``: of the whole run on this rank (None: a long run)."""
+    if device != "cpu":
+        return []
+    items = [("cpu_heap_top", CPU_HEAP_TOP_BYTES)]
+    if precision in ("bf16", "fp16") and moe_on_stage:
+        fill = CPU_KERNEL_CACHE_FILL_EXPERT_BATCHES
+        share = min(1.0, (expert_batches if expert_batches is not None else fill) / fill) ** 0.5
+        items.append(("cpu_bf16_moe_kernel_cache", int(CPU_BF16_MOE_KERNEL_CACHE_BYTES * share)))
+    return items

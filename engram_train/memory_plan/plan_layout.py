@@ -28,6 +28,7 @@ class Layout:
     seq_length: int
     num_micro: int  # micro-batches of one step per data-parallel rank
     distributed_optimizer: bool
+    train_iters: int | None = None  # steps of the run (None: a long run)
 
     @property
     def tokens(self) -> int:
@@ -54,4 +55,5 @@ def layout_of(cfg, model_config, world: int, nproc_per_node: int) -> Layout:
         table_shards=shards, micro_batch_size=int(t.micro_batch_size), seq_length=int(t.seq_length),
         num_micro=int(t.global_batch_size) // (int(t.micro_batch_size) * dp),
         distributed_optimizer=bool(cfg.system.use_distributed_optimizer),
+        train_iters=int(t.train_iters) if t.get("train_iters") else None,
     )  # fmt: skip

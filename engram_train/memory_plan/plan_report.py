@@ -12,17 +12,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engram_train.memory_plan import activations, engram_tables, fixed, optimizer_bytes
+from engram_train.memory_plan import activations, engram_tables, fixed, optimizer_bytes, v41_plan
 from engram_train.memory_plan.plan_layout import Layout
 from engram_train.memory_plan.model_bytes import StageParams, grad_buffer_bytes, weight_bytes
 
 PHASES = ("step", "optimizer", "save")
 
-FIT_MARGIN = 0.62
+FIT_MARGIN = 0.16
 """``fits: yes`` needs every prediction raised by this much to fit: the plan's largest measured
-under-prediction of peak RSS on configurations it was not calibrated on (docs/memory.md, the
-held-out table of benchmarks/measure_memory_plan.py). Between the prediction and the prediction
-plus the margin the plan says ``tight``."""
+under-prediction of peak RSS (docs/memory.md, the held-out tables of
+benchmarks/measure_memory_plan.py: 1061 / 920 MiB = 1.153 on EP2 bf16 host tables, 1.139 on
+configurations that set nothing). Between the prediction and the prediction plus the margin
+the plan says ``tight``."""
 
 # What changes an item, by the start of its name: the fields a user would turn.
 ADVICE = {
@@ -52,6 +53,8 @@ ADVICE = {
     "prefetch": "data.hash_prefetch=false, train.micro_batch_size",
     "checkpoint_save": "checkpoint.save_interval (saves are transient), system.use_distributed_optimizer=true",
     "process_baseline": "--nproc-per-node (fewer ranks per node)",
+    "cpu_bf16_moe_kernel_cache": "system.precision=fp32 (CPU runs)",
+    "cpu_heap_top": "--nproc-per-node (fewer ranks per node)",
 }
 
 
@@ -128,6 +131,13 @@ def plan_stage(config, layout: Layout, sp: StageParams, layers: list[int], preci
     for name, nbytes in fixed.device_fixed_items(device, allocated):
         rp.add(name, "device", "persistent", nbytes)
     for name, nbytes in fixed.host_fixed_items(device, cpu_baseline):
+        rp.add(name, "host", "persistent", nbytes)
+    kinds = None if v41_plan.is_v41(config) else activations.layer_kinds(config)
+    moe_layers = sum(1 for i in layers if kinds is None or kinds[i] == "moe")
+    batches = None
+    if layout.train_iters and config.num_moe_experts:
+        batches = layout.train_iters * layout.num_micro * moe_layers * (config.num_moe_experts // layout.ep)
+    for name, nbytes in fixed.cpu_runtime_items(device, precision, batches, sp.group("expert") > 0):
         rp.add(name, "host", "persistent", nbytes)
     return rp
 
