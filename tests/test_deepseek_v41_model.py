@@ -1,8 +1,10 @@
 """The DeepSeek-V4.1 model (``models/deepseek_v41/v41_model.py``, preset
 ``deepseek_v41_tiny``) against NeMo Automodel 0.7.0's ``DeepseekV41ForCausalLM`` with the same
 weights, float32 on the CPU: logits within 1e-5 (max abs, logits of order 1) and every
-parameter's first gradient within 1e-5 of its largest entry (mHC's `scale` vectors, sums with
-heavy cancellation: 5e-5).
+parameter's first gradient within 1e-5 of its largest entry. mHC's `scale` vectors are held to
+NeMo's own spread instead: NeMo against itself relabeled (experts reversed, output rows
+permuted: the same forward bits, other float32 sums in the backward) differs by more than 1e-5
+there, and ours may differ from NeMo by at most twice that (and 5e-5).
 
 The tiny preset's schedule holds every CSA2 layer kind (window; full at ratio 2; reindex;
 reuse; full at ratio 1 as the candidate source; reuse; reindex inside the candidates) and its
@@ -35,8 +37,10 @@ from test_deepseek_v41_blocks import (
 LOGIT_TOLERANCE = 1e-5  # max abs, logits of order 1
 GRADIENT_TOLERANCE = 1e-5  # max abs over the gradient's max abs
 # mHC's three-entry `scale`: each entry's gradient is a sum over every token and coefficient
-# whose terms cancel (the result ~1e-5 of terms ~1e-3), so the last-bit differences of the
-# backward (the experts' and the cross entropy's GEMMs and sums) weigh ~100 times more there
+# whose terms cancel, so the last-bit differences of the backward (the order the experts' and
+# the cross entropy's contributions are summed in) weigh ~100 times more there. The mHC itself
+# follows NeMo's order (forward and stream gradients bitwise equal given the same inputs); NeMo
+# relabeled spreads 2.3e-5 and 2.9e-5 there (measured), ours 2.6e-5 and 1.8e-5 from NeMo
 SCALE_GRADIENT_TOLERANCE = 5e-5
 BATCH, SEQ = 2, 40
 ENGRAM_NAMES = {"embed.weight": "multi_head_embedding.weight", "wkv.weight": "wkv.weight",
@@ -57,9 +61,23 @@ def tiny_config(engram: bool = True):
                                                                 perform_initialization=False))
 
 
-def nemo_model(ids: torch.Tensor, targets: torch.Tensor, engram: bool):
+def relabel(model, vocab_order: torch.Tensor) -> None:
+    """NeMo's `model` made the same function with other float32 sums: every MoE's experts in
+    reverse order (the experts' contributions to a token's gradient add up in another order)
+    and the output rows in `vocab_order` (the cross entropy's sums)."""
+    with torch.no_grad():
+        for layer in model.model.layers.values():
+            gate, experts = layer.ffn.gate, layer.ffn.experts
+            for t in (gate.weight, gate.e_score_correction_bias, gate.bias_vl,
+                      experts.gate_and_up_projs, experts.down_projs):
+                t.copy_(t.flip(0))
+        model.lm_head.weight.copy_(model.lm_head.weight[vocab_order])
+
+
+def nemo_model(ids: torch.Tensor, targets: torch.Tensor, engram: bool, relabeled: bool = False):
     """NeMo's model on the tiny preset's fields (the same names), its logits and the gradients
-    of the mean cross entropy."""
+    of the mean cross entropy; `relabeled`: the same model relabeled (`relabel`), the logits
+    in the original order (the experts', the gate's and the output layer's gradients not)."""
     from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41Config
     from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCausalLM
 
@@ -94,11 +112,17 @@ def nemo_model(ids: torch.Tensor, targets: torch.Tensor, engram: bool):
                 layer.engram.q_weight.uniform_(0.5, 1.5)
                 layer.engram.k_weight.uniform_(-1.5, 1.5)
     perturb(model, 3)
+    restore = torch.arange(vocab)
+    if relabeled:
+        order = torch.randperm(vocab, generator=torch.Generator().manual_seed(1))
+        relabel(model, order)
+        restore[order] = torch.arange(vocab)  # new row restore[t] holds the old row t
+        targets = restore[targets]
     logits = model(input_ids=ids).logits
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), targets.reshape(-1))
     loss.backward()
     return {"state_dict": {k: v.detach().clone() for k, v in model.state_dict().items()},
-            "logits": logits.detach(), "loss": loss.item(), "vocab": vocab,
+            "logits": logits.detach()[..., restore], "loss": loss.item(), "vocab": vocab,
             "grads": {k: p.grad for k, p in model.named_parameters() if p.grad is not None}}
 
 
@@ -146,7 +170,9 @@ def nemo(inputs):
 
     assert not dist.is_initialized()  # else NeMo's tables take the world as their owners
     with ref.side():
-        return {engram: nemo_model(*inputs, engram) for engram in (False, True)}
+        return {engram: dict(nemo_model(*inputs, engram),
+                             relabeled=nemo_model(*inputs, engram, relabeled=True))
+                for engram in (False, True)}
 
 
 def our_model(vocab: int, engram: bool):
@@ -209,8 +235,16 @@ def test_model_matches_nemo(nemo, inputs, one_rank, engram):
                                GRADIENT_TOLERANCE)
     worst_scale = assert_close_grads(scales, {k: nemo["grads"][k] for k in scales},
                                      SCALE_GRADIENT_TOLERANCE)
+    relabeled = nemo["relabeled"]  # NeMo against itself: the same forward bits
+    assert torch.equal(relabeled["logits"], nemo["logits"]) and relabeled["loss"] == nemo["loss"]
+    spread = assert_close_grads({k: [relabeled["grads"][k]] for k in scales},
+                                {k: nemo["grads"][k] for k in scales}, float("inf"))
     print(f"gradients: worst relative error {worst:.2e} over {len(grads) - len(scales)} "
-          f"parameters, {worst_scale:.2e} over the {len(scales)} mHC scales")
+          f"parameters, {worst_scale:.2e} over the {len(scales)} mHC scales (NeMo relabeled "
+          f"against NeMo: {spread:.2e})")
+    # the scales' float32 gradients are not determined to 1e-5: when NeMo's own spread falls
+    # below it, the scales take GRADIENT_TOLERANCE like every other parameter
+    assert spread > GRADIENT_TOLERANCE and worst_scale <= 2 * spread, (spread, worst_scale)
     frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
     assert frozen and all(".attn.indexer." in n for n in frozen)  # NeMo's frozen indexer
 

@@ -13,8 +13,9 @@ the same arithmetic as the project's mHC (`normalized_projection`, `sinkhorn`), 
 the released reference's order of operations (project, then scale by the inverse RMS; the
 Sinkhorn sums over a matrix's rows and columns; autograd's backward): V4.1's fake quantization
 turns a last-bit difference upstream into another FP4/FP8 code now and then, so the blocks keep
-the reference's bits (forward and stream gradients bitwise equal to NeMo Automodel's). What
-V4.1 changes is
+the reference's bits (forward and stream gradients bitwise equal to NeMo Automodel's; the
+parameters' gradients sum over the tokens sequence-first, NeMo's batch-first, a last-bit
+difference: docs/deepseek-v41.md, 'Exact against NeMo'). What V4.1 changes is
 which ``pre`` collapses the streams: the attention sublayer of a layer reads ``sum_j pre[j] X[j]``
 with the ``pre`` of the sublayer *before* it (the previous layer's MoE; a one-hot on stream 0 at
 the first layer, `first_pre`), the MoE sublayer reads its streams with the attention sublayer's
