@@ -26,19 +26,17 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 import v41_reference as ref
-from launch import REPO, free_port, run_process
+from v41_folders import TP2_EP2, launch, move_weights, nemo_model, v41_config, write_folder
 
 LOGIT_TOLERANCE = 1e-4
 LOSS_TOLERANCE = 1e-5
 BATCH, SEQ = 2, 24
-TP2_EP2 = ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2"]
 TEXT = dict(  # unlike the tiny preset in every size and in its schedule
     hidden_size=96, num_hidden_layers=6, num_attention_heads=8, head_dim=32, qk_rope_head_dim=16,
     q_lora_rank=48, o_lora_rank=32, o_groups=4, sliding_window=8, moe_intermediate_size=48,
@@ -50,64 +48,16 @@ ENGRAM = dict(engram_layer_ids=(2, 4), engram_max_ngram_size=3, engram_n_heads=3
               engram_head_dim=16, engram_vocab_size=500, engram_pad_token_id=0)
 
 
-def _env() -> dict:
-    import os
-
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-
-
 def nemo_folder(folder, ids: torch.Tensor) -> torch.Tensor:
     """NeMo's model written to `folder` (inside ``side()``); its float32 logits for `ids`."""
-    from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41Config
-    from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCausalLM
-    from test_deepseek_v41_blocks import eager_experts, nemo_backend, perturb
-
-    from engram_train.engram.v41_ngram_hash import DeepseekV41EngramArgs
-
-    args = DeepseekV41EngramArgs(**ENGRAM, hc_mult=4, rms_norm_eps=1e-20, initializer_range=0.02)
-    text = ref.text_config(args, TEXT["hidden_size"], **{k: v for k, v in TEXT.items()
-                                                        if k != "hidden_size"}).to_dict()
-    config = DeepseekV41Config(text_config=text, vision_config={"num_hidden_layers": 0})
-    torch.manual_seed(0)
-    backend = nemo_backend()
-    backend.enable_hf_state_dict_adapter = True
-    model = DeepseekV41ForCausalLM(config, backend=backend, tokenizer=ref.tokenizer()).eval()
-    model.initialize_weights(dtype=torch.float32)
-    with torch.no_grad():
-        for layer in model.model.layers.values():
-            layer.attn.reset_parameters(0.05)
-            layer.ffn.init_weights(torch.device("cpu"), init_std=0.05)
-            layer.attn_hc.reset_parameters(0.05)
-            layer.ffn_hc.reset_parameters(0.05)
-            eager_experts(layer.ffn)
-            if layer.engram is not None:
-                layer.engram.embed.weight.normal_(0.0, 1.0)
-                layer.engram.wkv.weight.normal_(0.0, 0.3)
-                layer.engram.q_weight.uniform_(0.5, 1.5)
-                layer.engram.k_weight.uniform_(-1.5, 1.5)
-        model.model.embed_tokens.weight.normal_()
-        model.lm_head.weight.normal_(std=0.05)
-    perturb(model, 5)
+    config = v41_config(TEXT, ENGRAM)
+    model = nemo_model(config, 0)
+    move_weights(model, 5)
     with torch.no_grad():
         logits = model(input_ids=ids).logits.float()
-    folder.mkdir(parents=True)
-    config.save_pretrained(str(folder))
-    tensors = model.state_dict_adapter.to_hf(model.state_dict())
-    tensors = {k: v.detach().contiguous() for k, v in tensors.items()}
-    tensors["mtp.0.ffn.gate.weight"] = torch.zeros(4, TEXT["hidden_size"])  # a draft tensor
-    save_file(tensors, str(folder / "model.safetensors"))
-    shutil.copyfile(ref.TOKENIZER, folder / "tokenizer.json")
+    draft = {"mtp.0.ffn.gate.weight": torch.zeros(4, TEXT["hidden_size"])}  # a draft tensor
+    write_folder(model, config, folder, quantized=False, extra=draft)
     return logits
-
-
-def launch(nproc: int, module: str, *args) -> str:
-    """``torchrun -m module args`` on `nproc` processes; its stdout (the test fails with the
-    log tail on a non-zero exit)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           f"--master-port={free_port()}", "-m", module, *map(str, args)]
-    proc = run_process(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return proc.stdout
 
 
 @pytest.fixture(scope="module")
@@ -191,13 +141,6 @@ def test_three_steps_from_the_import_at_one_process_and_tp2_ep2(source, imports)
     print("lm loss per step:", one, tp2_ep2)
     assert sorted(one) == sorted(tp2_ep2) == [1, 2, 3]
     assert max(abs(one[i] - tp2_ep2[i]) for i in one) <= LOSS_TOLERANCE
-
-
-def _folder_tensors(folder) -> dict[str, torch.Tensor]:
-    tensors = {}
-    for path in sorted(folder.glob("*.safetensors")):
-        tensors.update(load_file(str(path)))
-    return tensors
 
 
 def _export(checkpoint, out, dtype: torch.dtype, max_shard_bytes: int = 5 * 2**30) -> dict:

@@ -26,8 +26,6 @@ reference. Then, in one module:
 from __future__ import annotations
 
 import json
-import shutil
-import sys
 
 import pytest
 import torch
@@ -38,15 +36,14 @@ from engram_train.hf import v41_quant as q
 from engram_train.hf.v41_quant_layout import (
     RELEASE_QUANTIZATION_CONFIG,
     dequantize_from_release,
-    quantize_for_release,
     stored_format,
 )
-from launch import REPO, free_port, run_process
+from v41_folders import (TP2_EP2, folder_tensors, launch, move_weights, nemo_model,
+                         release_values, v41_config, write_folder)
 
 LOGIT_TOLERANCE = 1e-4
 TOLERANCE = 1e-6
 BATCH, SEQ = 2, 20
-TP2_EP2 = ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2"]
 TEXT = dict(  # unlike the tiny preset and tests/test_deepseek_v41_hf.py in sizes and schedule
     hidden_size=80, num_hidden_layers=5, num_attention_heads=4, head_dim=64, qk_rope_head_dim=32,
     q_lora_rank=40, o_lora_rank=24, o_groups=2, sliding_window=6, moe_intermediate_size=40,
@@ -58,71 +55,14 @@ ENGRAM = dict(engram_layer_ids=(1, 4), engram_max_ngram_size=2, engram_n_heads=4
               engram_head_dim=48, engram_vocab_size=300, engram_pad_token_id=0)
 
 
-def _env() -> dict:
-    import os
-
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-
-
-def launch(nproc: int, module: str, *args) -> str:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           f"--master-port={free_port()}", "-m", module, *map(str, args)]
-    proc = run_process(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return proc.stdout
-
-
-def _nemo_model(config, seed: int):
-    from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCausalLM
-    from test_deepseek_v41_blocks import eager_experts, nemo_backend
-
-    torch.manual_seed(seed)
-    backend = nemo_backend()
-    backend.enable_hf_state_dict_adapter = True
-    model = DeepseekV41ForCausalLM(config, backend=backend, tokenizer=ref.tokenizer()).eval()
-    model.initialize_weights(dtype=torch.float32)
-    for layer in model.model.layers.values():
-        eager_experts(layer.ffn)
-    return model
-
-
 def nemo_quantized_folder(folder, ids: torch.Tensor) -> torch.Tensor:
     """NeMo's model written to `folder` in the quantized layout (inside ``side()``); the
     float32 logits for `ids` of a fresh NeMo model loaded from that folder by ``from_hf``."""
-    from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41Config
-    from test_deepseek_v41_blocks import perturb
-
-    from engram_train.engram.v41_ngram_hash import DeepseekV41EngramArgs
-
-    args = DeepseekV41EngramArgs(**ENGRAM, hc_mult=4, rms_norm_eps=1e-20, initializer_range=0.02)
-    text = ref.text_config(args, TEXT["hidden_size"], **{k: v for k, v in TEXT.items()
-                                                        if k != "hidden_size"}).to_dict()
-    config = DeepseekV41Config(text_config=text, vision_config={"num_hidden_layers": 0})
-    model = _nemo_model(config, 0)
-    with torch.no_grad():
-        for layer in model.model.layers.values():
-            layer.attn.reset_parameters(0.05)
-            layer.ffn.init_weights(torch.device("cpu"), init_std=0.05)
-            layer.attn_hc.reset_parameters(0.05)
-            layer.ffn_hc.reset_parameters(0.05)
-            if layer.engram is not None:
-                layer.engram.embed.weight.normal_(0.0, 1.0)
-                layer.engram.embed.weight[:7].zero_()  # all-zero blocks
-                layer.engram.wkv.weight.normal_(0.0, 0.3)
-                layer.engram.q_weight.uniform_(0.5, 1.5)
-                layer.engram.k_weight.uniform_(-1.5, 1.5)
-        model.model.embed_tokens.weight.normal_()
-        model.lm_head.weight.normal_(std=0.05)
-    perturb(model, 7)
-    plain = {k: v.detach().contiguous() for k, v in
-             model.state_dict_adapter.to_hf(model.state_dict()).items()}
-    stored = dict(p for name, value in plain.items() for p in quantize_for_release(name, value))
-    folder.mkdir(parents=True)
-    config.quantization_config = dict(RELEASE_QUANTIZATION_CONFIG)
-    config.save_pretrained(str(folder))
-    save_file(stored, str(folder / "model.safetensors"))
-    shutil.copyfile(ref.TOKENIZER, folder / "tokenizer.json")
-    loaded = _nemo_model(config, 1)  # NeMo's own dequantizing load of the folder
+    config = v41_config(TEXT, ENGRAM)
+    model = nemo_model(config, 0)
+    move_weights(model, 7, zero_rows=7)  # all-zero blocks in the tables
+    write_folder(model, config, folder, quantized=True)
+    loaded = nemo_model(config, 1)  # NeMo's own dequantizing load of the folder
     state = loaded.state_dict_adapter.from_hf(load_file(str(folder / "model.safetensors")))
     loaded.load_state_dict(state, strict=True)
     with torch.no_grad():
@@ -153,18 +93,6 @@ def imports(source):
                "--seq-length", 64, *TP2_EP2, *extra)
         runs[name] = out
     return runs
-
-
-def _tensors(folder) -> dict[str, torch.Tensor]:
-    tensors = {}
-    for path in sorted(folder.glob("*.safetensors")):
-        tensors.update(load_file(str(path)))
-    return tensors
-
-
-def _values(tensors: dict) -> dict[str, torch.Tensor]:
-    return {n: dequantize_from_release(n, v, tensors.get(q.scale_name(n)))
-            for n, v in tensors.items() if stored_format(n) != "e8m0"}
 
 
 def _bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -200,18 +128,18 @@ def _export(checkpoint, out) -> dict[str, torch.Tensor]:
     main(["--format", "hf", "--load", str(checkpoint), "--out", str(out)])
     assert json.loads((out / "config.json").read_text())["quantization_config"] == (
         RELEASE_QUANTIZATION_CONFIG)
-    return _tensors(out)
+    return folder_tensors(out)
 
 
 def test_export_of_the_tp2_ep2_import_gives_back_the_folder(source, imports, tmp_path):
-    src = _tensors(source["folder"])
-    want = _values(src)
+    src = folder_tensors(source["folder"])
+    want = release_values(src)
     for name, checkpoint in imports.items():
         exported = _export(checkpoint, tmp_path / name)
         assert sorted(exported) == sorted(src)
         for key, value in exported.items():
             assert value.dtype == src[key].dtype and value.shape == src[key].shape, key
-        got = _values(exported)
+        got = release_values(exported)
         for key, value in want.items():
             if stored_format(key) in q.QUANTIZED_FORMATS:
                 assert torch.equal(got[key], value), key
@@ -228,7 +156,7 @@ def test_export_of_the_tp2_ep2_import_gives_back_the_folder(source, imports, tmp
 
             main(["--format", "hf", "--load", str(checkpoint), "--out", str(tmp_path / "bf16"),
                   "--hf-layout", "bf16"])
-            unquantized = _tensors(tmp_path / "bf16")
+            unquantized = folder_tensors(tmp_path / "bf16")
             for key in tables:  # fp8 values dequantized, exact in bf16
                 assert unquantized[key].dtype == torch.bfloat16
                 assert torch.equal(unquantized[key].float(), want[key]), key
@@ -249,7 +177,7 @@ def test_trained_fp8_tables_export_as_stored(source, imports, tmp_path):
            "system.tensor_model_parallel_size=2", "system.expert_model_parallel_size=2")
     exported = _export(tmp_path / "ckpt", tmp_path / "released")
     reader = DistCheckpointReader(tmp_path / "ckpt" / "iter_0000002")
-    src = _tensors(source["folder"])
+    src = folder_tensors(source["folder"])
     moved = 0
     for layer in ENGRAM["engram_layer_ids"]:
         key = f"layers.{layer}.engram.multi_head_embedding.weight"

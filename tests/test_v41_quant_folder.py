@@ -16,22 +16,21 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 import v41_reference as ref
 from engram_train.hf import v41_quant as q
 from engram_train.hf.v41_quant_layout import (
     RELEASE_QUANTIZATION_CONFIG,
     dequantize_from_release,
-    quantize_for_release,
     stored_format,
 )
 from launch import REPO, free_port, run_process
+from v41_folders import (folder_tensors, move_weights, nemo_model, release_values, v41_config,
+                         write_folder)
 
 TOLERANCE = 1e-6
 
@@ -39,41 +38,18 @@ TOLERANCE = 1e-6
 def nemo_quantized_folder(folder) -> dict[str, torch.Tensor]:
     """NeMo's tiny V4.1 (float32) written to `folder` in the quantized layout (inside
     ``side()``); returns NeMo's ``from_hf`` of the quantized and of the decoded tensors."""
-    from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41Config
-    from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCausalLM
-    from test_deepseek_v41_blocks import eager_experts, nemo_backend, perturb
     from test_deepseek_v41_model import tiny_config, tiny_model_section
 
     from engram_train.engram.variant import v41_engram_args
     from engram_train.models.deepseek_v41.v41_config import V41_FIELDS
 
     ours = tiny_config(engram=True)
-    backbone = {k: v for k, v in tiny_model_section().items()
-                if k in V41_FIELDS and k != "hidden_size"}
-    text = ref.text_config(v41_engram_args(ours), ours.hidden_size, **backbone).to_dict()
-    config = DeepseekV41Config(text_config=text, vision_config={"num_hidden_layers": 0})
-    torch.manual_seed(0)
-    model = DeepseekV41ForCausalLM(config, backend=nemo_backend(), tokenizer=ref.tokenizer())
-    model.initialize_weights(dtype=torch.float32)
-    with torch.no_grad():
-        for layer in model.model.layers.values():
-            layer.attn.reset_parameters(0.05)
-            layer.ffn.init_weights(torch.device("cpu"), init_std=0.05)
-            eager_experts(layer.ffn)
-            if layer.engram is not None:
-                layer.engram.embed.weight.normal_(0.0, 1.0)
-                layer.engram.wkv.weight.normal_(0.0, 0.3)
-        model.model.embed_tokens.weight.normal_()
-        model.lm_head.weight.normal_(std=0.05)
-    perturb(model, 5)
-    plain = {k: v.detach().contiguous() for k, v in
-             model.state_dict_adapter.to_hf(model.state_dict()).items()}
-    stored = dict(p for name, value in plain.items() for p in quantize_for_release(name, value))
-    folder.mkdir(parents=True)
-    config.quantization_config = dict(RELEASE_QUANTIZATION_CONFIG)
-    config.save_pretrained(str(folder))
-    save_file(stored, str(folder / "model.safetensors"))
-    shutil.copyfile(ref.TOKENIZER, folder / "tokenizer.json")
+    text = {k: v for k, v in tiny_model_section().items() if k in V41_FIELDS}
+    text["hidden_size"] = ours.hidden_size
+    config = v41_config(text, v41_engram_args(ours))
+    model = nemo_model(config, 0)
+    move_weights(model, 5, hc=False, gates=False)
+    stored = write_folder(model, config, folder, quantized=True)
     decoded = {n: dequantize_from_release(n, v, stored.get(q.scale_name(n)))
                if stored_format(n) in q.QUANTIZED_FORMATS else v
                for n, v in stored.items() if stored_format(n) != "e8m0"}
@@ -100,18 +76,6 @@ def test_nemo_reads_the_quantized_folder_as_our_decoder(source):
         assert value.dtype == decoded[name].dtype and torch.equal(value, decoded[name]), name
 
 
-def _tensors(folder) -> dict[str, torch.Tensor]:
-    tensors = {}
-    for path in sorted(folder.glob("*.safetensors")):
-        tensors.update(load_file(str(path)))
-    return tensors
-
-
-def _values(tensors: dict) -> dict[str, torch.Tensor]:
-    return {n: dequantize_from_release(n, v, tensors.get(q.scale_name(n)))
-            for n, v in tensors.items() if stored_format(n) != "e8m0"}
-
-
 def test_import_and_export_give_back_every_value(source, tmp_path, monkeypatch):
     from engram_train.export import v41_hf_export
     from engram_train.export.export_cli import main
@@ -123,24 +87,24 @@ def test_import_and_export_give_back_every_value(source, tmp_path, monkeypatch):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     proc = run_process(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    src = _tensors(source["folder"])
-    want = _values(src)
+    src = folder_tensors(source["folder"])
+    want = release_values(src)
     # row blocks of 2048 values (64 rows of the tiny model's 32-wide tables, ...): most
     # tensors written in several blocks, the Engram tables' last one partial
     monkeypatch.setattr(v41_hf_export, "ROW_BLOCK_ELEMENTS", 2048)
     main(["--format", "hf", "--load", str(checkpoint), "--out", str(tmp_path / "released")])
     monkeypatch.undo()
-    exported = _tensors(tmp_path / "released")
+    exported = folder_tensors(tmp_path / "released")
     assert sorted(exported) == sorted(src)
     doc = json.loads((tmp_path / "released" / "config.json").read_text())
     assert doc["quantization_config"] == RELEASE_QUANTIZATION_CONFIG
     main(["--format", "hf", "--load", str(checkpoint), "--out", str(tmp_path / "bf16"),
           "--hf-layout", "bf16"])
-    unquantized = _tensors(tmp_path / "bf16")
+    unquantized = folder_tensors(tmp_path / "bf16")
     assert sorted(unquantized) == sorted(want)
     assert "quantization_config" not in json.loads((tmp_path / "bf16" / "config.json").read_text())
     for got in (exported, unquantized):
-        got_values = _values(got)
+        got_values = release_values(got)
         for name, value in want.items():
             fmt = stored_format(name)
             assert got[name].dtype == (src[name].dtype if got is exported or fmt in (
