@@ -174,11 +174,24 @@ def _run(command: dict) -> int:
     return 0
 
 
+def _end_with_parent() -> None:
+    """The zygote ends when its pytest worker does (Linux), even if a process that inherited
+    the worker's end of the request pipe (a fork of the worker) outlives it."""
+    import ctypes
+
+    parent = os.getppid()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:
+        os._exit(0)
+
+
 def serve() -> None:
     """Import, then fork one child per request read from stdin, one at a time."""
     import importlib
 
     sys.path[:0] = [str(REPO), str(TESTS)]
+    _end_with_parent()
     from engram_train.logs import quiet_known_warnings
 
     quiet_known_warnings()

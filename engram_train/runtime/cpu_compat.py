@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from typing import Any, Callable
 
 import torch
@@ -159,9 +160,29 @@ def _forked_write_results_queue(mp_mode: str = "fork") -> Any:
     global _FORKED_RESULTS_QUEUE
     if _FORKED_RESULTS_QUEUE is None:
         import multiprocessing as mp
+        from multiprocessing.managers import SyncManager
 
-        _FORKED_RESULTS_QUEUE = mp.get_context("fork").Manager().Queue()
+        manager = SyncManager(ctx=mp.get_context("fork"))
+        manager.start(_end_with_parent, (os.getpid(),))
+        _FORKED_RESULTS_QUEUE = manager.Queue()
     return _FORKED_RESULTS_QUEUE
+
+
+def _end_with_parent(parent: int) -> None:
+    """In the forked manager: end when the process that started it ends, even if that one
+    ends without its exit handlers (``os._exit``). A fork holds every file its parent had open
+    (a spawned manager would not): an orphaned one would keep pipes of its parent's parent
+    open, and their readers would wait for an end of file that never comes. Linux only
+    (``PR_SET_PDEATHSIG``); elsewhere the parent's exit handlers stop it as before."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent ended before the request took effect
+        os._exit(0)
 
 
 def writer_queue_forked(ctx: Any) -> None:
