@@ -193,9 +193,5 @@ def writer_queue_forked(ctx: Any) -> None:
     for name in ("_get_write_results_queue", "get_write_results_queue"):
         if hasattr(filesystem_async, name):
             ctx.set(filesystem_async, name, _forked_write_results_queue)
-            # forked now, while the process is small: a manager forked at the first save shares
-            # every page of the tables with the trainer, and each page the trainer writes later
-            # (an update, a resume's load) is copied: up to the tables' size again
-            _forked_write_results_queue()
             return
     raise RuntimeError("megatron-core's filesystem_async has no write-results queue getter")
