@@ -32,7 +32,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import v41_reference as ref
-from v41_folders import TP2_EP2, launch, move_weights, nemo_model, v41_config, write_folder
+from v41_folders import (TP2_EP2, launch, logits_difference, move_weights, nemo_model, nemo_source,
+                         v41_config, write_folder)
 
 LOGIT_TOLERANCE = 1e-4
 LOSS_TOLERANCE = 1e-5
@@ -62,17 +63,8 @@ def nemo_folder(folder, ids: torch.Tensor) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):
-    """The NeMo folder, the ids and NeMo's logits for them (before any process group: NeMo's
-    Engram tables take a process group's world as their owners)."""
-    import torch.distributed as dist
-
-    assert not dist.is_initialized()
-    root = tmp_path_factory.mktemp("v41_hf")
-    ids = torch.randint(1, 4000, (BATCH, SEQ), generator=torch.Generator().manual_seed(11))
-    with ref.side():
-        logits = nemo_folder(root / "source", ids)
-    (root / "ids.json").write_text(json.dumps(ids.tolist()))
-    return {"root": root, "folder": root / "source", "ids": ids, "logits": logits}
+    """The NeMo folder, the ids and NeMo's logits for them."""
+    return nemo_source(tmp_path_factory.mktemp("v41_hf"), nemo_folder, 11, BATCH, SEQ)
 
 
 @pytest.fixture(scope="module")
@@ -120,16 +112,7 @@ def test_import_writes_the_v41_preset_and_skips_draft_and_vision(source, imports
 def test_logits_of_both_imports_equal_nemo(source, imports):
     """engram-logits of each import (one process) against NeMo's forward, float32."""
     for name, (checkpoint, _) in imports.items():
-        out = source["root"] / f"logits_{name}.safetensors"
-        launch(1, "engram_train.inference.logits", "--load", checkpoint,
-               "--ids", source["root"] / "ids.json", "--out", out)
-        logits = load_file(str(out))["logits"]
-        expected = source["logits"]
-        assert logits.shape == expected.shape
-        error = (logits - expected).abs().max().item()
-        print(f"{name}: logits max abs difference {error:.2e} (logits up to "
-              f"{expected.abs().max().item():.2f})")
-        assert error <= LOGIT_TOLERANCE
+        assert logits_difference(source, checkpoint, name) <= LOGIT_TOLERANCE
 
 
 def test_three_steps_from_the_import_at_one_process_and_tp2_ep2(source, imports):

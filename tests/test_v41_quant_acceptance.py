@@ -38,8 +38,8 @@ from engram_train.hf.v41_quant_layout import (
     dequantize_from_release,
     stored_format,
 )
-from v41_folders import (TP2_EP2, folder_tensors, launch, move_weights, nemo_model,
-                         release_values, v41_config, write_folder)
+from v41_folders import (TP2_EP2, folder_tensors, launch, logits_difference, move_weights,
+                         nemo_model, nemo_source, release_values, v41_config, write_folder)
 
 LOGIT_TOLERANCE = 1e-4
 TOLERANCE = 1e-6
@@ -71,15 +71,7 @@ def nemo_quantized_folder(folder, ids: torch.Tensor) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):
-    import torch.distributed as dist
-
-    assert not dist.is_initialized()  # NeMo's Engram tables take a process group's world
-    root = tmp_path_factory.mktemp("v41_accept")
-    ids = torch.randint(1, 4000, (BATCH, SEQ), generator=torch.Generator().manual_seed(5))
-    with ref.side():
-        logits = nemo_quantized_folder(root / "source", ids)
-    (root / "ids.json").write_text(json.dumps(ids.tolist()))
-    return {"root": root, "folder": root / "source", "ids": ids, "logits": logits}
+    return nemo_source(tmp_path_factory.mktemp("v41_accept"), nemo_quantized_folder, 5, BATCH, SEQ)
 
 
 @pytest.fixture(scope="module")
@@ -101,15 +93,7 @@ def _bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 def test_logits_of_both_imports_equal_nemo_loading_the_folder(source, imports):
     for name, checkpoint in imports.items():
-        out = source["root"] / f"logits_{name}.safetensors"
-        launch(1, "engram_train.inference.logits", "--load", checkpoint,
-               "--ids", source["root"] / "ids.json", "--out", out)
-        logits, expected = load_file(str(out))["logits"], source["logits"]
-        assert logits.shape == expected.shape
-        error = (logits - expected).abs().max().item()
-        print(f"{name}: logits max abs difference {error:.2e} (logits up to "
-              f"{expected.abs().max().item():.2f})")
-        assert error <= LOGIT_TOLERANCE
+        assert logits_difference(source, checkpoint, name) <= LOGIT_TOLERANCE
 
 
 def test_import_peak_memory_per_parameter(imports):

@@ -113,6 +113,36 @@ def write_folder(model, config, folder: Path, *, quantized: bool,
     return stored
 
 
+def nemo_source(root: Path, write, seed: int, batch: int, seq: int) -> dict:
+    """The folder ``write(folder, ids)`` makes under `root` (inside ``side()``, before any
+    process group: NeMo's Engram tables take a process group's world as their owners), the
+    ids (also as ``ids.json`` for engram-logits) and the reference logits `write` returns."""
+    import json
+
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    ids = torch.randint(1, 4000, (batch, seq), generator=torch.Generator().manual_seed(seed))
+    with ref.side():
+        logits = write(root / "source", ids)
+    (root / "ids.json").write_text(json.dumps(ids.tolist()))
+    return {"root": root, "folder": root / "source", "ids": ids, "logits": logits}
+
+
+def logits_difference(source: dict, checkpoint: Path, name: str) -> float:
+    """engram-logits of `checkpoint` (one process) for the source's ids: the largest absolute
+    difference from the source's reference logits (printed beside their scale)."""
+    out = source["root"] / f"logits_{name}.safetensors"
+    launch(1, "engram_train.inference.logits", "--load", checkpoint,
+           "--ids", source["root"] / "ids.json", "--out", out)
+    logits, expected = load_file(str(out))["logits"], source["logits"]
+    assert logits.shape == expected.shape
+    error = (logits - expected).abs().max().item()
+    print(f"{name}: logits max abs difference {error:.2e} (logits up to "
+          f"{expected.abs().max().item():.2f})")
+    return error
+
+
 def folder_tensors(folder: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a folder's safetensors files, as stored."""
     tensors = {}
