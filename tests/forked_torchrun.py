@@ -43,12 +43,11 @@ def run_as_main(target: str, argv: list[str], module: bool = False) -> None:
     # the agent) is inherited through the fork; a rank that the agent stops must just end.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    sys.argv = [target, *argv]
     try:
         if module:
-            sys.argv = [target, *argv]
             runpy.run_module(target, run_name="__main__", alter_sys=True)
         else:
-            sys.argv = [target, *argv]
             sys.path[:0] = [str(Path(target).resolve().parent)]
             runpy.run_path(target, run_name="__main__")
     except SystemExit as e:

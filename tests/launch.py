@@ -195,15 +195,8 @@ def torchrun(script: str, nproc: int, out_dir: Path, *args: str, timeout: int = 
             f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
             str(DIST_DIR / script), "--out", str(out_dir), *args,
         ]
-        kwargs = dict(env=env, capture_output=True, text=True, timeout=timeout)
-        command = _zygote_command(cmd, kwargs) if forked else None
-        started, cpu = time.perf_counter(), children_cpu_seconds()
-        if command is not None:
-            proc, cpu = _run_in_zygote(cmd, command, kwargs)
-        else:
-            proc = subprocess.run(cmd, **kwargs)
-            cpu = children_cpu_seconds() - cpu
-        record(cmd, nproc, time.perf_counter() - started, cpu)
+        proc = run_process(cmd, ranks=nproc, forked=forked, env=env, capture_output=True,
+                           text=True, timeout=timeout)  # the slots held above serve it
     if proc.returncode != 0:
         raise AssertionError(
             f"torchrun {script} failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"

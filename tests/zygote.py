@@ -110,6 +110,7 @@ def _child(request: dict) -> None:
     try:
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
+        os.close(devnull)
         for fd, path in ((1, request["out"]), (2, request["err"])):
             handle = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             os.dup2(handle, fd)
@@ -155,8 +156,7 @@ def _reap_children() -> None:
 def _run(command: dict) -> int:
     kind = command["kind"]
     if kind == "torchrun":
-        sys.path.insert(0, str(TESTS))
-        import forked_torchrun
+        import forked_torchrun  # imported by `serve` already, from the tests folder on its path
 
         target = command.get("module") or command["script"]
         forked_torchrun.launch(command["nproc"], command["port"], target, command["args"],
@@ -174,27 +174,19 @@ def _run(command: dict) -> int:
     return 0
 
 
-def _end_with_parent() -> None:
-    """The zygote ends when its pytest worker does (Linux), even if a process that inherited
-    the worker's end of the request pipe (a fork of the worker) outlives it."""
-    import ctypes
-
-    parent = os.getppid()
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent:
-        os._exit(0)
-
-
 def serve() -> None:
     """Import, then fork one child per request read from stdin, one at a time."""
     import importlib
 
     sys.path[:0] = [str(REPO), str(TESTS)]
-    _end_with_parent()
     from engram_train.logs import quiet_known_warnings
 
     quiet_known_warnings()
+    from engram_train.runtime.cpu_compat import end_with_parent
+
+    # ends with its pytest worker, even if a fork of the worker that inherited the worker's
+    # end of the request pipe outlives it
+    end_with_parent(os.getppid())
     for name in PRELOAD:
         importlib.import_module(name)
     with contextlib.suppress(ImportError):
@@ -202,10 +194,8 @@ def serve() -> None:
 
         matplotlib.use("Agg")
     for name in OPTIONAL:
-        try:
+        with contextlib.suppress(ImportError):
             importlib.import_module(name)
-        except ImportError:
-            pass
     import forked_torchrun  # noqa: F401  (the launcher the children use)
 
     import gc

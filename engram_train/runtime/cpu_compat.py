@@ -163,14 +163,14 @@ def _forked_write_results_queue(mp_mode: str = "fork") -> Any:
         from multiprocessing.managers import SyncManager
 
         manager = SyncManager(ctx=mp.get_context("fork"))
-        manager.start(_end_with_parent, (os.getpid(),))
+        manager.start(end_with_parent, (os.getpid(),))
         _FORKED_RESULTS_QUEUE = manager.Queue()
     return _FORKED_RESULTS_QUEUE
 
 
-def _end_with_parent(parent: int) -> None:
-    """In the forked manager: end when the process that started it ends, even if that one
-    ends without its exit handlers (``os._exit``). A fork holds every file its parent had open
+def end_with_parent(parent: int) -> None:
+    """In a forked helper process (here: the manager): end when the process that started it
+    (pid `parent`) ends, even if that one ends without its exit handlers (``os._exit``). A fork holds every file its parent had open
     (a spawned manager would not): an orphaned one would keep pipes of its parent's parent
     open, and their readers would wait for an end of file that never comes. Linux only
     (``PR_SET_PDEATHSIG``); elsewhere the parent's exit handlers stop it as before."""
