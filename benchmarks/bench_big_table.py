@@ -19,7 +19,9 @@ Reported (JSON, and a summary on stdout):
   checkpoint (model + optimizer) into DIR and of loading it back in place, as a resume does,
   each against the steady-state RSS just before (``checkpoint_peaks``: GiB, and bytes per
   table parameter beyond steady state). The peak is the kernel's ``VmHWM``, reset before each
-  phase (``/proc/self/clear_refs``). DIR is removed afterwards.
+  phase (``/proc/self/clear_refs``); the private memory of this process's children after
+  each phase is reported beside it (a helper forked after the tables exist would hold copies
+  of the pages written later). DIR is removed afterwards.
 
     python benchmarks/bench_big_table.py [--params 3e9] [--rounds 2] [--steps-per-round 5]
         [--checkpoint-peaks DIR]
@@ -59,6 +61,21 @@ def peak_rss_bytes() -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
 
+def children_private_bytes() -> int:
+    """Memory this process's children hold privately (USS): a helper forked from it (the
+    checkpoint writer's queue manager on CPU hosts) that shares the tables' pages gets a copy
+    of each page the trainer writes afterwards, outside the trainer's own RSS."""
+    import psutil
+
+    total = 0
+    for child in psutil.Process().children(recursive=True):
+        try:
+            total += child.memory_full_info().uss
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
 def reset_peak_rss() -> None:
     with open("/proc/self/clear_refs", "w") as f:  # "5": VmHWM back to the current RSS
         f.write("5")
@@ -86,9 +103,11 @@ def checkpoint_peaks(model, optimizer, num_params: int, directory: Path) -> dict
                               beyond_steady_gib=(peak - steady) / 2**30,
                               beyond_steady_bytes_per_param=(peak - steady) / num_params,
                               after_rss_gib=rss_bytes() / 2**30,
+                              children_private_gib=children_private_bytes() / 2**30,
                               seconds=time.perf_counter() - start)
             print(f"{phase}: steady {steady / 2**30:.2f} GiB, peak {peak / 2**30:.2f} GiB, "
-                  f"+{(peak - steady) / num_params:.3f} B/param, {out[phase]['seconds']:.0f} s",
+                  f"+{(peak - steady) / num_params:.3f} B/param, children's private memory "
+                  f"{out[phase]['children_private_gib']:.2f} GiB, {out[phase]['seconds']:.0f} s",
                   flush=True)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
@@ -196,6 +215,10 @@ def main() -> None:
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("RANK", "0")
     initialize_distributed(ParallelSizes(), seed=1)
+    if args.checkpoint_peaks:
+        from engram_train.runtime.cpu_compat import start_writer_queue_early
+
+        start_writer_queue_early()  # as the trainer does: before the tables exist
     lm_vocab = padded_vocab_size(load_tokenizer(compose(X1_VOCAB).data.tokenizer).vocab_size, 1)
 
     small = build(X1_VOCAB, lm_vocab)

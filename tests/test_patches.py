@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from launch import run_process
+from launch import REPO, run_process
 
 from engram_train.runtime import patches
 from engram_train.runtime.patches import (
@@ -284,3 +284,22 @@ def test_forked_checkpoint_queue_ends_with_its_parent():
     while children() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert children() == []
+
+
+def test_forked_checkpoint_queue_started_early_shares_no_table_pages_and_survives_sigterm():
+    """``start_writer_queue_early`` (the trainer calls it before building a model it will save):
+    the manager then holds none of a table built later, where one forked as at a first save
+    ends up with a private copy of every page the process writes afterwards (a resume's load,
+    updates); and a SIGTERM to the rank's process group (torchrun stopping the rank) leaves it
+    serving, because the rank's SIGTERM save still needs it."""
+    import json
+    import os
+
+    proc = run_process([sys.executable, "tests/dist/writer_queue_pages.py"], capture_output=True, text=True,
+                       timeout=120, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["started_early"] and got["early_managers"] == 1
+    assert got["early_private_mib"] < 32, got  # interpreter pages it dirtied itself, no table
+    assert got["late_private_mib"] > 0.9 * got["table_mib"], got  # the copying the test would see
+    assert got["queue_answers"] and got["signal_recorded"] == "SIGTERM", got

@@ -163,9 +163,36 @@ def _forked_write_results_queue(mp_mode: str = "fork") -> Any:
         from multiprocessing.managers import SyncManager
 
         manager = SyncManager(ctx=mp.get_context("fork"))
-        manager.start(end_with_parent, (os.getpid(),))
+        manager.start(_manager_started, (os.getpid(),))
         _FORKED_RESULTS_QUEUE = manager.Queue()
     return _FORKED_RESULTS_QUEUE
+
+
+def _manager_started(parent: int) -> None:
+    """First thing in the forked manager: leave the rank's process group, and end with the
+    rank. torchrun stops a rank with ``killpg(SIGTERM)``; the rank's own SIGTERM handler then
+    saves a last checkpoint, which needs this manager alive: in the rank's group it would be
+    gone before that save (its SIGTERM is the default one)."""
+    os.setpgid(0, 0)
+    end_with_parent(parent)
+
+
+def start_writer_queue_early() -> bool:
+    """Fork the checkpoint writer's queue manager now, while this process is small, when
+    `cpu_forked_checkpoint_queue` is active (else nothing: megatron's own manager is spawned,
+    a fresh interpreter that shares no pages). Call it before building a model that will be
+    saved. A manager forked at the first save shares every page of the model's tables with
+    the trainer, and each page the trainer writes afterwards (an update, a resume's load) is
+    copied into memory outside the trainer's RSS: up to the tables' size again, which a
+    host-resident table sized to the machine does not survive. Returns whether it started."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    getter = getattr(filesystem_async, "_get_write_results_queue", None) or getattr(
+        filesystem_async, "get_write_results_queue", None)  # fmt: skip
+    if getter is not _forked_write_results_queue:
+        return False
+    _forked_write_results_queue()
+    return True
 
 
 def end_with_parent(parent: int) -> None:

@@ -24,6 +24,7 @@ from engram_train.data.datasets import build_gpt_datasets
 from engram_train.metrics import is_logging_rank
 from engram_train.models.builder import build_model
 from engram_train.runtime import initialize_distributed
+from engram_train.runtime.cpu_compat import start_writer_queue_early
 from engram_train.training.faults import ExitSignalHandler, children_die_with_parent, reap_process_group_on_exit
 from engram_train.training.optimizer import build_optimizer
 from engram_train.training.plan import Plan, lr_scheduler
@@ -86,6 +87,8 @@ def build(cfg: DictConfig, plan: Plan) -> Job:
     if cfg.checkpoint.save and os.environ.get("RANK", "0") == "0":
         lock_save_folder(cfg.checkpoint.save)  # the saving rank, for the run's life
     initialize_distributed(parallel_sizes(cfg), seed=int(t.seed), timeout_minutes=int(s.distributed_timeout_minutes))
+    if cfg.checkpoint.save:
+        start_writer_queue_early()  # before the model: a manager forked later copies its pages
     rank = dist.get_rank()
     dp_size = data_parallel_size(cfg, dist.get_world_size())
 
