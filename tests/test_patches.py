@@ -244,46 +244,31 @@ def test_initialize_distributed_applies_and_logs_the_active_patches_once():
     ]
 
 
-_ORPHAN_CHECK = """
-import os, sys
-from engram_train.runtime.cpu_compat import _forked_write_results_queue
-queue = _forked_write_results_queue()
-queue.put(os.getpid())
-assert queue.get() == os.getpid()
-print(os.getpid(), flush=True)
-os._exit(0)  # without exit handlers, as a test worker may end
-"""
-
-
 def test_forked_checkpoint_queue_ends_with_its_parent():
     """The forked manager of ``cpu_forked_checkpoint_queue`` holds its parent's open files; it
     must not outlive a parent that ends without its exit handlers (an orphan kept a pipe of the
-    test worker open, and the reader at its other end waited for ever)."""
+    test worker open, and the reader at its other end waited for ever).
+    ``tests/dist/writer_queue_orphan.py`` prints its pid and its manager's, then ``os._exit``s."""
     import os
     import time
 
-    proc = run_process([sys.executable, "-c", _ORPHAN_CHECK], capture_output=True, text=True,
-                       timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = run_process([sys.executable, "tests/dist/writer_queue_orphan.py"], capture_output=True,
+                       text=True, timeout=120, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    parent = proc.stdout.split()[-1]
+    parent, manager = proc.stdout.split()[-2:]
+    assert parent != manager
 
-    def children() -> list[str]:
-        found = []
-        for status in Path("/proc").glob("[0-9]*/status"):
-            try:
-                fields = dict(line.split(":\t", 1) for line in status.read_text().splitlines() if ":\t" in line)
-            except OSError:
-                continue
-            if fields.get("PPid", "").strip() == "1" and fields.get("Tgid") and status.parent.name != parent:
-                cmd = (status.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-                if "_forked_write_results_queue" in cmd:
-                    found.append(status.parent.name)
-        return found
+    def alive(pid: str) -> bool:  # an orphan that ended may stay a zombie until it is reaped
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            return False
+        return "\nState:\tZ" not in status
 
     deadline = time.monotonic() + 10
-    while children() and time.monotonic() < deadline:
+    while alive(manager) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert children() == []
+    assert not alive(manager)
 
 
 def test_forked_checkpoint_queue_started_early_shares_no_table_pages_and_survives_sigterm():
