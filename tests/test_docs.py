@@ -238,6 +238,63 @@ def shrink(command: str) -> str:
             "train.eval_iters=1")
 
 
+# The first hour's programs, as `python -m` runs them: the console scripts' own entry points
+# (pyproject.toml; torch's `torchrun` is `torch.distributed.run:main`). Started that way, the
+# test zygote forks them (tests/zygote.py) instead of a fresh interpreter importing torch and
+# megatron-core for each: the same arguments, as written, reach the same `main`.
+AS_MODULE = {
+    "torchrun": "torch.distributed.run",
+    "engram-train": "engram_train.train",
+    "engram-plot": "engram_train.plot",
+    "engram-export": "engram_train.export",
+}
+
+
+def as_launched(command: str, env: dict) -> tuple[list[str], dict] | None:
+    """``command``'s argv and environment with its program run as ``python -m`` (``AS_MODULE``),
+    or None where the shell must run it (another program, or anything but words and leading
+    ``NAME=value`` assignments)."""
+    if re.search(r"[|&;<>()$`*?~\\\[\]{}'\"]", command):
+        return None
+    words = command.split()
+    env = dict(env)
+    while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", words[0]):
+        name, _, value = words.pop(0).partition("=")
+        env[name] = value
+    if not words or words[0] not in AS_MODULE:
+        return None
+    return [sys.executable, "-m", AS_MODULE[words[0]], *words[1:]], env
+
+
+def test_first_hour_commands_launch_as_their_entry_points():
+    """The console scripts ``as_launched`` runs as modules are the installed ones' entry points."""
+    from importlib.metadata import entry_points
+
+    scripts = {e.name: e.value for e in entry_points(group="console_scripts")}
+    assert scripts["torchrun"] == "torch.distributed.run:main"
+    for name in ("engram-train", "engram-plot", "engram-export"):
+        assert scripts[name] == f"{AS_MODULE[name]}:main", name
+    # `python -m engram_train.export` runs the package's __main__, which calls the same main
+    from engram_train.export import export_cli, main
+
+    assert main is export_cli.main
+    assert "main()" in (REPO / "engram_train" / "export" / "__main__.py").read_text()
+    for module in ("engram_train.plot", "engram_train.train"):
+        source = (REPO / Path(*module.split("."))).with_suffix(".py").read_text()
+        assert re.search(r'if __name__ == "__main__":\n    (sys\.exit\()?main\(\)', source), module
+    for command in first_hour_commands():
+        launched = as_launched(command, {})
+        if launched is not None:
+            argv, env = launched
+            assert argv[3:] == words_of(command)[1:], command
+            assert all(f"{k}={v}" in command for k, v in env.items()), command
+    assert as_launched("OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 -m x a=b", {"A": "1"}) == (
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "x", "a=b"],
+        {"A": "1", "OMP_NUM_THREADS": "1"})
+    assert as_launched("ls outputs/demo", {}) is None
+    assert as_launched("engram-plot a > b", {}) is None
+
+
 def test_first_hour_runs_as_written(tmp_path):
     commands = first_hour_commands()
     assert any("engram-export" in c for c in commands) and any("checkpoint.load=" in c for c in commands)
@@ -250,8 +307,9 @@ def test_first_hour_runs_as_written(tmp_path):
         if words_of(command)[0] in NOT_RUN:
             check_command(command)
             continue
-        proc = run_process(["bash", "-c", shrink(command)], cwd=tmp_path, env=env, capture_output=True,
-                              text=True, timeout=300)
+        command_line = shrink(command)
+        argv, run_env = as_launched(command_line, env) or (["bash", "-c", command_line], env)
+        proc = run_process(argv, cwd=tmp_path, env=run_env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, f"{command}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
         outputs[command] = proc.stdout + proc.stderr
 
