@@ -82,6 +82,54 @@ HELD_OUT_2 = {
                           "train.global_batch_size=4")),
 }
 
+# Held out from the kernel caches' fill curve (fixed.CPU_KERNEL_CACHE_FILL_EXPERT_BATCHES), which
+# was fitted to the fills of the calibration runs and of the two sets above: none of these ran
+# before it was set.
+HELD_OUT_3 = {
+    "pp2_bf16_s256_mb1": (2, ("system.pipeline_model_parallel_size=2", "system.precision=bf16",
+                              "train.seq_length=256", "train.micro_batch_size=1",
+                              "train.global_batch_size=8")),
+    "bf16_h96_s640_5steps": (1, ("model.hidden_size=96", "model.num_attention_heads=4",
+                                 "system.precision=bf16", "train.seq_length=640",
+                                 "train.train_iters=5")),
+    "ep2_bf16_s384_4steps": (2, ("system.expert_model_parallel_size=2", "system.precision=bf16",
+                                 "train.seq_length=384", "train.global_batch_size=8",
+                                 "train.train_iters=4")),
+    "mhc_bf16_host_s768": (1, ("model=deepseek_v3_tiny_mhc", "system.precision=bf16",
+                               "model.engram_table_placement=host", "train.seq_length=768")),
+    "tp2_sp_host_s768": (2, ("system.tensor_model_parallel_size=2", "system.sequence_parallel=true",
+                             "model.engram_table_placement=host", "train.seq_length=768",
+                             "train.global_batch_size=4")),
+    "rowwise_bf16_tables_s1024": (1, ("model.engram_optimizer=rowwise_adam", "model.engram_table_dtype=bf16",
+                                      "train.seq_length=1024")),
+    "bf16_mb4_s256_8steps": (1, ("system.precision=bf16", "train.seq_length=256",
+                                 "train.micro_batch_size=4", "train.global_batch_size=8",
+                                 "train.train_iters=8")),
+}
+
+# The kernel caches' fill (fixed.CPU_BF16_MOE_KERNEL_CACHE_BYTES and _FILL_EXPERT_BATCHES were
+# fitted to these fills with those of the calibration runs and the first two held-out sets):
+# bf16 MoE runs of 1, 3 and 16 steps at 256-2048 tokens per micro-batch and hidden 64-128, and
+# fp32 twins that show what the plan misses without the caches.
+_BF16 = ("system.precision=bf16", "train.global_batch_size=8")
+_H96 = ("model.hidden_size=96", "model.num_attention_heads=4", "train.seq_length=640")
+KERNEL_CACHE_FILL = {
+    "b_h64_T256_16": (1, (*_BF16, "train.seq_length=128", "train.train_iters=16")),
+    "b_h64_T512_16": (1, (*_BF16, "train.seq_length=256", "train.train_iters=16")),
+    "b_h64_T1024_16": (1, (*_BF16, "train.seq_length=512", "train.train_iters=16")),
+    "b_h64_T2048_16": (1, (*_BF16, "train.seq_length=1024", "train.train_iters=16")),
+    "b_h64_T1024_1": (1, (*_BF16, "train.seq_length=512", "train.train_iters=1")),
+    "b_h64_T1024_3": (1, (*_BF16, "train.seq_length=512", "train.train_iters=3")),
+    "b_h96_s640_1": (1, (*_H96, "system.precision=bf16", "train.train_iters=1")),
+    "b_h96_s640_16": (1, (*_H96, "system.precision=bf16", "train.train_iters=16")),
+    "b_h128_T1024_16": (1, (*_BF16, "model.hidden_size=128", "model.num_attention_heads=4",
+                            "train.seq_length=512", "train.train_iters=16")),
+    "f_h96_s640_5": (1, (*_H96, "train.train_iters=5")),
+    "f_h96_s512_5": (1, ("model.hidden_size=96", "model.num_attention_heads=4", "train.seq_length=512",
+                         "train.train_iters=5")),
+    "f_h64_s640_5": (1, ("train.seq_length=640", "train.train_iters=5")),
+}
+
 CALIBRATION = {
     # attention scores: the default model at 512 and 1024 (the difference is s^2 terms)
     "dense_s512": (1, ("model.use_engram=false", "train.seq_length=512")),
@@ -196,7 +244,7 @@ def main() -> None:
     parser.add_argument("--replan", action="store_true", help="predict again, measure nothing")
     parser.add_argument("--scores", action="store_true", help="measure SDPA's CPU score transients")
     parser.add_argument("--set", default="held_out",
-                        choices=("held_out", "held_out_2", "calibration", "all"))
+                        choices=("held_out", "held_out_2", "held_out_3", "kernel_cache_fill", "calibration", "all"))
     parser.add_argument("--cases", default="", help="comma-separated subset")
     parser.add_argument("--baseline", type=int, default=None, help="bytes (default: measure)")
     args = parser.parse_args()
@@ -207,7 +255,8 @@ def main() -> None:
                 for s in (1024, 2048) for n in (1, 4)}
         print(json.dumps(rows, indent=1))
         return Path(args.out).write_text(json.dumps(rows, indent=1))
-    sets = {"held_out": HELD_OUT, "held_out_2": HELD_OUT_2, "calibration": CALIBRATION}
+    sets = {"held_out": HELD_OUT, "held_out_2": HELD_OUT_2, "held_out_3": HELD_OUT_3,
+            "kernel_cache_fill": KERNEL_CACHE_FILL, "calibration": CALIBRATION}
     cases = {k: v for name, group in sets.items() if args.set in (name, "all") for k, v in group.items()}
     if args.cases:
         cases = {k: v for k, v in cases.items() if k in args.cases.split(",")}

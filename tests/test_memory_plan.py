@@ -156,22 +156,28 @@ def test_cpu_attention_scores_are_float32(one_rank):
 
 def test_cpu_backend_items(one_rank):
     """The CPU backend's own bytes: glibc's untrimmed heap top on every CPU rank; oneDNN's
-    kernel caches only for bf16 with MoE layers, the square root of the share of 240 expert batches the run has; none on the GPU."""
-    from engram_train.memory_plan.fixed import (CPU_BF16_MOE_KERNEL_CACHE_BYTES,
-                                                CPU_HEAP_TOP_BYTES)
+    kernel caches only for bf16 with MoE layers, 1 - exp(-n / 200) of their asymptote after the
+    run's n expert batches; none on the GPU."""
+    import math
 
+    from engram_train.memory_plan.fixed import (CPU_BF16_MOE_KERNEL_CACHE_BYTES, CPU_HEAP_TOP_BYTES,
+                                                CPU_KERNEL_CACHE_FILL_EXPERT_BATCHES)
+
+    assert CPU_KERNEL_CACHE_FILL_EXPERT_BATCHES == 200
     dense = ["model.num_moe_experts=null", "model.moe_ffn_hidden_size=null",
              "model.moe_shared_expert_intermediate_size=null"]
     fp32, bf16, bf16_dense, short, gpu = (plan_of(o, device=d).ranks[0] for o, d in (
-        ([], "cpu"), (["system.precision=bf16"], "cpu"),
+        ([], "cpu"), (["system.precision=bf16", "train.train_iters=1000"], "cpu"),
         (["system.precision=bf16", *dense], "cpu"),
         (["system.precision=bf16", "train.train_iters=2"], "cpu"),
         (["system.precision=bf16"], "cuda")))
     assert item(fp32, "cpu_heap_top") == CPU_HEAP_TOP_BYTES == item(bf16_dense, "cpu_heap_top")
     assert item(fp32, "cpu_bf16_moe_kernel_cache") == 0 == item(bf16_dense, "cpu_bf16_moe_kernel_cache")
-    assert item(bf16, "cpu_bf16_moe_kernel_cache") == CPU_BF16_MOE_KERNEL_CACHE_BYTES
-    # 2 steps of 4 micro-batches, 4 experts on 3 MoE layers
-    assert item(short, "cpu_bf16_moe_kernel_cache") == int(CPU_BF16_MOE_KERNEL_CACHE_BYTES * (96 / 240) ** 0.5)
+    # steps x 4 micro-batches x 4 experts x 3 MoE layers
+    for run, steps in ((bf16, 1000), (short, 2)):
+        share = 1 - math.exp(-steps * 4 * 4 * 3 / 200)
+        assert item(run, "cpu_bf16_moe_kernel_cache") == pytest.approx(CPU_BF16_MOE_KERNEL_CACHE_BYTES * share, abs=1)
+    assert item(short, "cpu_bf16_moe_kernel_cache") < 0.4 * CPU_BF16_MOE_KERNEL_CACHE_BYTES
     assert not any(n.startswith("cpu_") for n, _, _, _ in gpu.items)
 
 

@@ -50,7 +50,7 @@ def test_acceptance_command_plans_v41_flash_on_16_h200_nodes():
     for part in ("attention", "moe", "mhc", "engram"):
         assert stage0[part]["bytes"] > 0, part
     # docs/deepseek-v41.md: the routed experts alone, 18 bytes per parameter over the 128
-    # ranks at best, with the allocator's 10% and the plan's margin (92.7 GiB), and the
+    # ranks at best, with the allocator's 10% and the plan's margin (95.9 GiB at 20%), and the
     # activations of a micro-batch without recompute exceed 141 GiB: no layout of 16 nodes
     # is a "yes"; the plan agrees
     margin = 1 + plan["fit_margin"]

@@ -19,6 +19,8 @@ GPU: assumptions, stated rather than measured here (the GPU check compares the p
 
 from __future__ import annotations
 
+import math
+
 MIB, GIB = 1 << 20, 1 << 30
 
 CPU_PROCESS_BYTES = 402 * MIB  # measured: memory_calibration.py --baseline (peak RSS)
@@ -49,21 +51,24 @@ def host_fixed_items(device: str, cpu_baseline: int | None) -> list[tuple[str, i
 # CPU runs: what torch's CPU backend keeps beyond the tensors (measured on deepseek_v3_tiny with
 # an RSS probe around every module's forward and backward, benchmarks/measure_memory_plan.py
 # --set calibration; docs/memory.md 'What the plan missed').
-CPU_BF16_MOE_KERNEL_CACHE_BYTES = 640 * MIB
-"""bf16 matmuls on the CPU run through oneDNN, which keeps a primitive with its JIT-compiled
-kernels for every problem shape it has seen (up to ONEDNN_PRIMITIVE_CACHE_CAPACITY, 1024, and
-its kernel caches). An MoE's experts see another token count in every micro-batch, so a bf16
-MoE run makes new shapes until the caches are full: +570 MiB at hidden 64, about +650 MiB at
-hidden 512 (deepseek_v3_tiny: 4 experts, 3 MoE layers), flat after 20-28 micro-batches (0.29
-GiB of it goes with ONEDNN_PRIMITIVE_CACHE_CAPACITY=0). A dense bf16 model (fixed shapes) and
-fp32 (no oneDNN matmul) add nothing."""
-CPU_KERNEL_CACHE_FILL_EXPERT_BATCHES = 240
-"""Expert batches (micro-batches x the rank's experts x MoE layers) that fill it: every
-expert batch of a token count not seen before is a new shape; measured full after 20
-micro-batches of 4 experts on 3 MoE layers. Early batches bring the most new counts, so a run
-(or a rank) with fewer batches holds the square root of their share (measured: a third after
-48 batches, 0.6 after 96 on one MoE layer, 0.9 after 192; a linear share undercounted a PP2
-stage of one MoE layer by 22%)."""
+CPU_BF16_MOE_KERNEL_CACHE_BYTES = 860 * MIB
+"""bf16 matmuls on the CPU run through oneDNN's brgemm matmul, which JIT-compiles kernels for
+every problem shape it meets and keeps them: measured 2.0 MiB of RSS per new row count of one
+bf16 linear (forward, input gradient, weight gradient), 1.3 MiB with the primitive cache off
+(ONEDNN_PRIMITIVE_CACHE_CAPACITY=0), so the primitive cache's capacity does not bound it; a
+repeated shape adds nothing, and fp32 (no oneDNN matmul) 0.04 MiB. An MoE's experts get
+another token count in almost every micro-batch, so a bf16 MoE run makes new shapes for as
+long as routing draws counts it has not drawn before. The asymptote and the rate
+(`CPU_KERNEL_CACHE_FILL_EXPERT_BATCHES`) are the least-squares fit of a * (1 - exp(-n / n0))
+to 21 fills measured on ranks of 48 to 768 expert batches (deepseek_v3_tiny and wider: hidden
+64-192, 256-2048 tokens per micro-batch, 1-3 MoE layers per rank); they scatter by up to
+120 MiB around it (fewer tokens per micro-batch draw fewer distinct counts: 734 MiB after 768
+batches at 256 tokens, 923 at 1024). Runs longer than 768 batches were not measured. A dense
+bf16 model (fixed shapes) and fp32 add nothing."""
+CPU_KERNEL_CACHE_FILL_EXPERT_BATCHES = 200
+"""The fill's scale n0, in expert batches (micro-batches x the rank's experts x MoE layers):
+1 - exp(-n / 200) of the asymptote after n batches (0.21 after one step of the default run's
+48, 0.70 after 240, 0.98 after 768). Early batches bring the most new token counts."""
 CPU_HEAP_TOP_BYTES = 64 * MIB
 """glibc malloc raises its mmap threshold to the size of a freed block (up to 32 MiB), so
 activation tensors come from the heap, and keeps up to its trim threshold (twice that: 64 MiB)
@@ -80,7 +85,6 @@ def cpu_runtime_items(device: str, precision: str, expert_batches: int | None,
         return []
     items = [("cpu_heap_top", CPU_HEAP_TOP_BYTES)]
     if precision in ("bf16", "fp16") and moe_on_stage:
-        fill = CPU_KERNEL_CACHE_FILL_EXPERT_BATCHES
-        share = min(1.0, (expert_batches if expert_batches is not None else fill) / fill) ** 0.5
+        share = 1.0 if expert_batches is None else -math.expm1(-expert_batches / CPU_KERNEL_CACHE_FILL_EXPERT_BATCHES)
         items.append(("cpu_bf16_moe_kernel_cache", int(CPU_BF16_MOE_KERNEL_CACHE_BYTES * share)))
     return items

@@ -18,12 +18,13 @@ from engram_train.memory_plan.model_bytes import StageParams, grad_buffer_bytes,
 
 PHASES = ("step", "optimizer", "save")
 
-FIT_MARGIN = 0.16
+FIT_MARGIN = 0.20
 """``fits: yes`` needs every prediction raised by this much to fit: the plan's largest measured
 under-prediction of peak RSS, rounded up (docs/memory.md, the held-out tables of
-benchmarks/measure_memory_plan.py: 1978 / 1737 MiB = 1.139, dense adam bf16 tables; 17
-configurations, 25 ranks, none under by more). Between the prediction and the prediction plus
-the margin the plan says ``tight``."""
+benchmarks/measure_memory_plan.py: 1510 / 1265 MiB = 1.194, a bf16 MoE run at hidden 96 and
+1280 tokens per micro-batch, whose kernel caches filled above the fitted curve and whose heap
+kept ~100 MiB more than counted; 29 configurations, 40 ranks, none under by more). Between the
+prediction and the prediction plus the margin the plan says ``tight``."""
 
 # What changes an item, by the start of its name: the fields a user would turn.
 ADVICE = {
