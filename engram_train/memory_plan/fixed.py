@@ -69,6 +69,12 @@ CPU_KERNEL_CACHE_FILL_EXPERT_BATCHES = 200
 """The fill's scale n0, in expert batches (micro-batches x the rank's experts x MoE layers):
 1 - exp(-n / 200) of the asymptote after n batches (0.21 after one step of the default run's
 48, 0.70 after 240, 0.98 after 768). Early batches bring the most new token counts."""
+CPU_KERNEL_CACHE_FULL_TOKENS = 512
+"""Tokens per micro-batch from which the asymptote holds: fewer tokens spread the experts'
+counts over fewer values, so fewer distinct counts are drawn. Measured after 768 expert
+batches: 734 MiB at 256 tokens, 886-923 at 512-2048 (0.83 of it); the plan scales the
+asymptote by (tokens / 512) ** 0.25 below 512 (0.84 at 256; runs below 256 tokens per
+micro-batch were not measured)."""
 CPU_HEAP_TOP_BYTES = 64 * MIB
 """glibc malloc raises its mmap threshold to the size of a freed block (up to 32 MiB), so
 activation tensors come from the heap, and keeps up to its trim threshold (twice that: 64 MiB)
@@ -78,7 +84,7 @@ heap)."""
 
 
 def cpu_runtime_items(device: str, precision: str, expert_batches: int | None,
-                      moe_on_stage: bool) -> list[tuple[str, int]]:
+                      moe_on_stage: bool, tokens_per_micro_batch: int | None = None) -> list[tuple[str, int]]:
     """What the CPU backend keeps beyond the planned tensors (none on the GPU);
     ``expert_batches``: of the whole run on this rank (None: a long run)."""
     if device != "cpu":
@@ -86,5 +92,7 @@ def cpu_runtime_items(device: str, precision: str, expert_batches: int | None,
     items = [("cpu_heap_top", CPU_HEAP_TOP_BYTES)]
     if precision in ("bf16", "fp16") and moe_on_stage:
         share = 1.0 if expert_batches is None else -math.expm1(-expert_batches / CPU_KERNEL_CACHE_FILL_EXPERT_BATCHES)
+        if tokens_per_micro_batch is not None and tokens_per_micro_batch < CPU_KERNEL_CACHE_FULL_TOKENS:
+            share *= (tokens_per_micro_batch / CPU_KERNEL_CACHE_FULL_TOKENS) ** 0.25
         items.append(("cpu_bf16_moe_kernel_cache", int(CPU_BF16_MOE_KERNEL_CACHE_BYTES * share)))
     return items

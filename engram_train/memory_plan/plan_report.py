@@ -138,7 +138,8 @@ def plan_stage(config, layout: Layout, sp: StageParams, layers: list[int], preci
     batches = None
     if layout.train_iters and config.num_moe_experts:
         batches = layout.train_iters * layout.num_micro * moe_layers * (config.num_moe_experts // layout.ep)
-    for name, nbytes in fixed.cpu_runtime_items(device, precision, batches, sp.group("expert") > 0):
+    tokens = layout.micro_batch_size * layout.seq_length
+    for name, nbytes in fixed.cpu_runtime_items(device, precision, batches, sp.group("expert") > 0, tokens):
         rp.add(name, "host", "persistent", nbytes)
     return rp
 
