@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import functools
 import gc
 import json
 import os
@@ -78,7 +79,14 @@ def tiny_config(tp=1, pp=1, ep=1, sp=False, **overrides):
 
 
 
+# attribute types that hold no tensor: skipped before any isinstance (forget_graphs visits
+# ~50k attribute values per layout and rank)
+_NO_GRAPH = frozenset({type(None), bool, int, float, str, bytes, dict, set, torch.dtype, torch.device})
+
+
 def _holds_graph(value) -> bool:
+    if type(value) in _NO_GRAPH:
+        return False
     if isinstance(value, torch.Tensor):
         return value.grad_fn is not None
     return isinstance(value, (list, tuple)) and any(_holds_graph(v) for v in value)
@@ -92,6 +100,11 @@ def _subclasses(cls: type) -> set[type]:
                 found.add(sub)
                 todo.append(sub)
     return found
+
+
+@functools.lru_cache(maxsize=None)
+def _has_instance_dict(cls: type) -> bool:
+    return "__dict__" in dir(cls)  # dir() sorts every attribute name: once per type
 
 
 def forget_graphs() -> None:
@@ -109,9 +122,14 @@ def forget_graphs() -> None:
         # the module's own attributes and those of its plain helper objects (the dispatcher)
         owners = [module] + [v for v in vars(module).values()
                              if not issubclass(type(v), (torch.nn.Module, type, weakref.ProxyTypes))
-                             and "__dict__" in dir(type(v))]
+                             and _has_instance_dict(type(v))]
         for owner in owners:
             for name, value in list(vars(owner).items()):
                 if _holds_graph(value):
                     setattr(owner, name, None)
-    gc.collect()
+    # Every caller initializes the next layout right after; with process groups up, that
+    # releases the old groups and runs the full collection that frees the old models
+    # (engram_train.runtime.distributed.release_parallel_groups): a second one here found
+    # nothing more to free.
+    if not dist.is_initialized():
+        gc.collect()
