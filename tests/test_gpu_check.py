@@ -85,21 +85,10 @@ def test_cpu_section_results(cpu_run):
     assert t["engram"]["tokens_per_s"] > 0 and t["no_engram"]["tokens_per_s"] > 0
 
 
-COMPARE = """
-import json, sys, torch
-sys.path.insert(0, "benchmarks")
-import gpu_check
-from engram_train.runtime import ParallelSizes, initialize_distributed
-initialize_distributed(ParallelSizes())
-ctx = gpu_check.Context(device=torch.device("cpu"), world=1, rank=0, quick=True)
-print("RESULT" + json.dumps(gpu_check.compare_specs(ctx, second_te=False)))
-"""
-
-
 def test_spec_comparison_of_a_spec_with_itself_is_exact():
     """The TE-vs-local comparison (name mapping, weight copy, bf16 wrapping, gradients), run
     local-vs-local: everything must agree bit for bit."""
-    proc = run_process([sys.executable, "-c", COMPARE], cwd=REPO, env=_env(),
+    proc = run_process([sys.executable, "tests/dist/spec_self_comparison.py"], cwd=REPO, env=_env(),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.split("RESULT", 1)[1])

@@ -227,26 +227,11 @@ def closed_form(m, vocab: int) -> dict:
                 engram_tables=tables, engram_dense=dense)
 
 
-COUNT_SCRIPT = """
-import json, os, sys
-from engram_train.training.param_count import compose_config, run_config_counts
-from engram_train.runtime import ParallelSizes, destroy_distributed, initialize_distributed
-os.environ["WORLD_SIZE"], os.environ["RANK"] = "1", "0"
-initialize_distributed(ParallelSizes())
-out = {}
-for name, vocab in json.loads(sys.argv[1]).items():
-    cfg = compose_config([f"model={name}"])
-    out[name] = run_config_counts(cfg, None, vocab)
-destroy_distributed()
-print("COUNTS" + json.dumps(out))
-"""
-
-
 @pytest.fixture(scope="module")
 def counts():
     """Every preset built on the meta device, in one process (single-rank parallel state)."""
     wanted = {name: VOCAB.get(name) for name in PRESETS}
-    proc = run_process([sys.executable, "-c", COUNT_SCRIPT, json.dumps(wanted)], cwd=REPO,
+    proc = run_process([sys.executable, "tests/dist/preset_counts.py", json.dumps(wanted)], cwd=REPO,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.split("COUNTS", 1)[1])
