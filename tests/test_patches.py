@@ -288,3 +288,18 @@ def test_forked_checkpoint_queue_started_early_shares_no_table_pages_and_survive
     assert got["early_private_mib"] < 32, got  # interpreter pages it dirtied itself, no table
     assert got["late_private_mib"] > 0.9 * got["table_mib"], got  # the copying the test would see
     assert got["queue_answers"] and got["signal_recorded"] == "SIGTERM", got
+
+
+def test_eager_jit_fuser_runs_megatrons_fused_functions_as_written():
+    """``cpu_eager_jit_fuser``: megatron's torch.compile'd functions (decorated at import, and
+    those decorated later) run eagerly on a host without CUDA, with their own results, and the
+    patch reverts to torch.compile."""
+    import json
+    import os
+
+    proc = run_process([sys.executable, "tests/dist/eager_jit_fuser.py"], capture_output=True, text=True,
+                       timeout=120, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == dict(
+        dynamo_disabled=True, later_decorator_is_noop=True, frames_compiled=0,
+        squared_relu_exact=True, bias_swiglu_exact=True, reverted=True)

@@ -222,3 +222,23 @@ def writer_queue_forked(ctx: Any) -> None:
             ctx.set(filesystem_async, name, _forked_write_results_queue)
             return
     raise RuntimeError("megatron-core's filesystem_async has no write-results queue getter")
+
+
+def jit_fuser_eager(ctx: Any) -> None:
+    """Patch body: megatron's JIT-fused functions run as written on the CPU.
+
+    ``megatron.core.jit.jit_fuser`` is ``torch.compile``. On a CUDA device that fuses small
+    elementwise kernels; on the CPU the first call of each decorated function makes TorchDynamo
+    trace it and Inductor generate, compile and load C++ for it, in every rank process, and the
+    guards on ``self`` make a method such as ``TopKRouter._apply_expert_bias`` compile again for
+    each MoE layer: about 1.5 s of CPU and 20 MiB of RSS per rank at start-up, for no speed at
+    these sizes, and the same results (the fused functions are elementwise ones and sums).
+    Functions decorated when megatron's modules were imported are wrapped already, so
+    TorchDynamo is switched off for the process (``torch._dynamo.config.disable``: compiled
+    callables run their original code); functions megatron decorates later (the experts'
+    activation closures) get the no-op decorator."""
+    import torch._dynamo
+    from megatron.core import jit
+
+    ctx.set(torch._dynamo.config, "disable", True)
+    ctx.set(jit, "jit_fuser", jit.noop_decorator)

@@ -147,6 +147,22 @@ PATCHES: tuple[Patch, ...] = (
         condition="no CUDA",
     ),
     Patch(
+        name="cpu_eager_jit_fuser",
+        versions=">=0.16.1,<0.20",
+        upstream="jit.py: jit_fuser is torch.compile (torch >= 2.2); on the CPU each decorated "
+        "function (TopKRouter._apply_expert_bias once per MoE layer, the bias/activation "
+        "fusions) is traced by TorchDynamo and compiled to C++ by Inductor at its first call in "
+        "every rank: ~1.5 s of CPU and ~20 MiB per rank, no gain at CPU sizes. On CPU hosts the "
+        "decorated functions run as written.",
+        verify="a start-up cost, not a failure: with ENGRAM_DISABLE_PATCHES=cpu_eager_jit_fuser a "
+        "2-rank MoE run of 100 steps spends ~4.7 s more CPU (~40 MiB more RSS per rank) with the "
+        "same losses; tests/test_patches.py checks that no TorchDynamo frame is compiled and "
+        "the fused functions' results are their own",
+        apply=cpu_compat.jit_fuser_eager,
+        when=_no_cuda,
+        condition="no CUDA",
+    ),
+    Patch(
         name="moe_te_general_gemm_unbound",
         versions=">=0.16.1,<0.17",
         upstream="transformer/moe/moe_utils.py: router_gating_linear reads te_general_gemm, "
@@ -273,7 +289,7 @@ PATCHES: tuple[Patch, ...] = (
     ),
 )
 
-CPU_PATCHES = ("cpu_cuda_redirects", "cpu_rng_tracker", "cpu_forked_checkpoint_queue")
+CPU_PATCHES = ("cpu_cuda_redirects", "cpu_rng_tracker", "cpu_forked_checkpoint_queue", "cpu_eager_jit_fuser")
 MEGATRON_FIXES = (
     "moe_te_general_gemm_unbound",
     "mla_have_te_flag",
