@@ -25,10 +25,11 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed-mcore$(MEGATRON_CORE)
 # Extra pytest arguments, e.g. PYTEST_ARGS="-m every_lane" (the tests CI runs on every lane).
 PYTEST_ARGS ?=
-# pytest-xdist workers (one per core by default; 0 runs serially). Whole files go to a worker
-# (their launches are shared by module fixtures); tests/launch.py caps the ranks running at once
-# at the core count (ENGRAM_TEST_SLOTS), so workers never oversubscribe the machine.
-PYTEST_WORKERS ?= auto
+# pytest-xdist workers (one per core and one more by default; 0 runs serially). Whole files go to
+# a worker (their launches are shared by module fixtures); tests/launch.py caps the ranks running
+# at once at the same count (ENGRAM_TEST_SLOTS): a launch keeps ~1.3 cores busy per 2 ranks
+# (gloo's waits), and the extra slot fills that idle time (docs/testing.md 'Parallel runs').
+PYTEST_WORKERS ?= $(shell echo $$(( $$(nproc 2>/dev/null || echo 1) + 1 )))
 # What to run: the whole suite, or e.g. TESTS=tests/test_config.py or TESTS="tests/test_data.py -k split".
 TESTS ?= tests
 
@@ -40,7 +41,7 @@ help:
 	@echo "make install   create or update the lane's virtual environment ($(VENV))"
 	@echo "make bench     the n-gram hash benchmark (others: benchmarks/)"
 	@echo "make clean     remove both lanes' environments and build outputs"
-	@echo "variables: MEGATRON=0.16|0.19 (lane), TESTS=..., PYTEST_ARGS=..., PYTEST_WORKERS=auto|N|0, PYTHON=..."
+	@echo "variables: MEGATRON=0.16|0.19 (lane), TESTS=..., PYTEST_ARGS=..., PYTEST_WORKERS=N|auto|0, PYTHON=..."
 
 $(STAMP): pyproject.toml
 	@test -n "$(PYTHON)" || { scripts/find-python $(PYTHON_VERSION); exit 1; }

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 # hundred processes (inherited by every torchrun launch below). TORCHDYNAMO_DISABLE=0 keeps it.
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
-# Under pytest-xdist (`make test` runs one worker per core, tests/launch.py shares the cores
+# Under pytest-xdist (`make test` runs one worker per core and one more, tests/launch.py shares the cores
 # between the ranks that workers launch) each worker computes on its own share of the cores.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
