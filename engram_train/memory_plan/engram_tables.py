@@ -6,7 +6,8 @@ is one registry entry here, as it is one entry in ``training/engram_optimizer``:
 - ``engram_table_dtype``: bytes per table element (``TABLE_DTYPE_BYTES``);
 - ``engram_optimizer`` (with ``engram_optimizer_state_dtype``): the persistent state per table
   element (``moment_bytes_per_element``: two float32 moments for ``adam`` and ``sparse_adam``, a
-  per-element first moment plus one float32 per row for ``rowwise_adam``) and the step's
+  per-element first moment plus one row moment per row for ``rowwise_adam``: float32, bf16 with
+  fp8 tables; none for frozen fp8 tables) and the step's
   transient bytes (``TABLE_OPTIMIZER_STEP``: ``adam`` builds a dense float32 gradient of the
   shard, the sparse optimizers touch rows only);
 - a float32 master copy when the table is not float32 and ``engram_master_weights`` is on, or
