@@ -244,18 +244,25 @@ def test_initialize_distributed_applies_and_logs_the_active_patches_once():
     ]
 
 
+def _script_output(script: str) -> str:
+    """Run one of tests/dist's scripts as ``python SCRIPT`` (the test zygote forks it); its
+    standard output, after checking it ended well."""
+    import os
+
+    proc = run_process([sys.executable, script], capture_output=True, text=True, timeout=120,
+                       cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
 def test_forked_checkpoint_queue_ends_with_its_parent():
     """The forked manager of ``cpu_forked_checkpoint_queue`` holds its parent's open files; it
     must not outlive a parent that ends without its exit handlers (an orphan kept a pipe of the
     test worker open, and the reader at its other end waited for ever).
     ``tests/dist/writer_queue_orphan.py`` prints its pid and its manager's, then ``os._exit``s."""
-    import os
     import time
 
-    proc = run_process([sys.executable, "tests/dist/writer_queue_orphan.py"], capture_output=True,
-                       text=True, timeout=120, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    parent, manager = proc.stdout.split()[-2:]
+    parent, manager = _script_output("tests/dist/writer_queue_orphan.py").split()[-2:]
     assert parent != manager
 
     def alive(pid: str) -> bool:  # an orphan that ended may stay a zombie until it is reaped
@@ -278,12 +285,8 @@ def test_forked_checkpoint_queue_started_early_shares_no_table_pages_and_survive
     updates); and a SIGTERM to the rank's process group (torchrun stopping the rank) leaves it
     serving, because the rank's SIGTERM save still needs it."""
     import json
-    import os
 
-    proc = run_process([sys.executable, "tests/dist/writer_queue_pages.py"], capture_output=True, text=True,
-                       timeout=120, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"))  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    got = json.loads(_script_output("tests/dist/writer_queue_pages.py").strip().splitlines()[-1])
     assert got["started_early"] and got["early_managers"] == 1
     assert got["early_private_mib"] < 32, got  # interpreter pages it dirtied itself, no table
     assert got["late_private_mib"] > 0.9 * got["table_mib"], got  # the copying the test would see
@@ -295,11 +298,7 @@ def test_eager_jit_fuser_runs_megatrons_fused_functions_as_written():
     those decorated later) run eagerly on a host without CUDA, with their own results, and the
     patch reverts to torch.compile."""
     import json
-    import os
 
-    proc = run_process([sys.executable, "tests/dist/eager_jit_fuser.py"], capture_output=True, text=True,
-                       timeout=120, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"))  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads(proc.stdout.strip().splitlines()[-1]) == dict(
+    assert json.loads(_script_output("tests/dist/eager_jit_fuser.py").strip().splitlines()[-1]) == dict(
         dynamo_disabled=True, later_decorator_is_noop=True, frames_compiled=0,
         squared_relu_exact=True, bias_swiglu_exact=True, reverted=True)

@@ -25,8 +25,7 @@ benchmarks/measure_memory_plan.py: 1510 / 1265 MiB = 1.194, a bf16 MoE run at hi
 1280 tokens per micro-batch, whose kernel caches filled above the fitted curve and whose heap
 kept ~100 MiB more than counted; measured again with megatron's fusers eager on the CPU, the
 largest was 1201 / 1009 = 1.190, hidden 384 in fp32; 34 configurations, 45 ranks, none under
-by more). Between the
-prediction and the prediction plus the margin the plan says ``tight``."""
+by more). Between the prediction and the prediction plus the margin the plan says ``tight``."""
 
 # What changes an item, by the start of its name: the fields a user would turn.
 ADVICE = {

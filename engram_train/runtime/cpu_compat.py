@@ -185,11 +185,8 @@ def start_writer_queue_early() -> bool:
     the trainer, and each page the trainer writes afterwards (an update, a resume's load) is
     copied into memory outside the trainer's RSS: up to the tables' size again, which a
     host-resident table sized to the machine does not survive. Returns whether it started."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    getter = getattr(filesystem_async, "_get_write_results_queue", None) or getattr(
-        filesystem_async, "get_write_results_queue", None)  # fmt: skip
-    if getter is not _forked_write_results_queue:
+    module, name = _write_results_queue_getter()
+    if getattr(module, name) is not _forked_write_results_queue:
         return False
     _forked_write_results_queue()
     return True
@@ -212,16 +209,20 @@ def end_with_parent(parent: int) -> None:
         os._exit(0)
 
 
-def writer_queue_forked(ctx: Any) -> None:
-    """Patch body: the writer's queue getter (0.16: ``_get_write_results_queue``, 0.19:
-    ``get_write_results_queue``) replaced by `_forked_write_results_queue`."""
+def _write_results_queue_getter() -> tuple[Any, str]:
+    """megatron's module and the name of its checkpoint writer's queue getter (0.16:
+    ``_get_write_results_queue``, 0.19: ``get_write_results_queue``)."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     for name in ("_get_write_results_queue", "get_write_results_queue"):
         if hasattr(filesystem_async, name):
-            ctx.set(filesystem_async, name, _forked_write_results_queue)
-            return
+            return filesystem_async, name
     raise RuntimeError("megatron-core's filesystem_async has no write-results queue getter")
+
+
+def writer_queue_forked(ctx: Any) -> None:
+    """Patch body: the writer's queue getter replaced by `_forked_write_results_queue`."""
+    ctx.set(*_write_results_queue_getter(), _forked_write_results_queue)
 
 
 def jit_fuser_eager(ctx: Any) -> None:
