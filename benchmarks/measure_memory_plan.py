@@ -1,6 +1,6 @@
 """engram-plan against measured peak RSS on configurations the plan was not calibrated on.
 
-    python benchmarks/measure_memory_plan.py OUT.json [--cases NAME,NAME] [--set held_out|calibration|all]
+    python benchmarks/measure_memory_plan.py OUT.json [--cases NAME,NAME] [--set NAME|all] [--replan]
 
 Runs the trainer (3 steps, the trainer's defaults otherwise: hash prefetch on, the data
 loader as configured) through ``tests/dist/memory_calibration.py`` for every case, reads each
@@ -52,8 +52,8 @@ HELD_OUT = {
                                "train.global_batch_size=8")),
 }
 
-# Held out from the CPU items of memory_plan/fixed.py (heap top, bf16 MoE kernel caches): none
-# of these was run before those items were set.
+# Held out from the CPU items of memory_plan/fixed.py (bf16 MoE kernel caches; a flat heap top
+# then, cpu_heap.py now): none of these was run before those items were set.
 HELD_OUT_2 = {
     "h384_s768": (1, ("model.hidden_size=384", "model.num_attention_heads=6", "train.seq_length=768")),
     "pp2_fp32_s1024": (2, ("system.pipeline_model_parallel_size=2", "train.seq_length=1024",
@@ -105,6 +105,34 @@ HELD_OUT_3 = {
     "bf16_mb4_s256_8steps": (1, ("system.precision=bf16", "train.seq_length=256",
                                  "train.micro_batch_size=4", "train.global_batch_size=8",
                                  "train.train_iters=8")),
+}
+
+# Held out from the heap-hole fraction (memory_plan/cpu_heap.py), which was fitted to the sets
+# above: none of these ran before it was set.
+HELD_OUT_4 = {
+    "h256_h8_s512_mb1": (1, ("model.hidden_size=256", "model.num_attention_heads=8",
+                             "train.seq_length=512", "train.micro_batch_size=1",
+                             "train.global_batch_size=4")),
+    "h128_h8_s1024_mb1": (1, ("model.hidden_size=128", "model.num_attention_heads=8",
+                              "train.seq_length=1024", "train.micro_batch_size=1",
+                              "train.global_batch_size=4")),
+    "tp2_h192_s768": (2, ("system.tensor_model_parallel_size=2", "model.hidden_size=192",
+                          "model.num_attention_heads=6", "train.seq_length=768",
+                          "train.global_batch_size=4")),
+    "ep2_bf16_h128_s512_6steps": (2, ("system.expert_model_parallel_size=2", "system.precision=bf16",
+                                      "model.hidden_size=128", "train.seq_length=512",
+                                      "train.global_batch_size=8", "train.train_iters=6")),
+    "mhc_fp32_s768": (1, ("model=deepseek_v3_tiny_mhc", "train.seq_length=768")),
+    "dense_fp32_h256_s768": (1, ("model.num_moe_experts=null", "model.moe_ffn_hidden_size=null",
+                                 "model.moe_shared_expert_intermediate_size=null",
+                                 "model.hidden_size=256", "train.seq_length=768")),
+    "pp2_fp32_h128_host_s640": (2, ("system.pipeline_model_parallel_size=2", "model.hidden_size=128",
+                                    "model.engram_table_placement=host", "train.seq_length=640",
+                                    "train.global_batch_size=8")),
+    "bf16_h160_s896_mb1_4steps": (1, ("model.hidden_size=160", "model.num_attention_heads=5",
+                                      "system.precision=bf16", "train.seq_length=896",
+                                      "train.micro_batch_size=1", "train.global_batch_size=4",
+                                      "train.train_iters=4")),
 }
 
 # The kernel caches' fill (fixed.CPU_BF16_MOE_KERNEL_CACHE_BYTES and _FILL_EXPERT_BATCHES were
@@ -244,7 +272,8 @@ def main() -> None:
     parser.add_argument("--replan", action="store_true", help="predict again, measure nothing")
     parser.add_argument("--scores", action="store_true", help="measure SDPA's CPU score transients")
     parser.add_argument("--set", default="held_out",
-                        choices=("held_out", "held_out_2", "held_out_3", "kernel_cache_fill", "calibration", "all"))
+                        choices=("held_out", "held_out_2", "held_out_3", "held_out_4", "kernel_cache_fill",
+                                 "calibration", "all"))
     parser.add_argument("--cases", default="", help="comma-separated subset")
     parser.add_argument("--baseline", type=int, default=None, help="bytes (default: measure)")
     args = parser.parse_args()
@@ -256,7 +285,7 @@ def main() -> None:
         print(json.dumps(rows, indent=1))
         return Path(args.out).write_text(json.dumps(rows, indent=1))
     sets = {"held_out": HELD_OUT, "held_out_2": HELD_OUT_2, "held_out_3": HELD_OUT_3,
-            "kernel_cache_fill": KERNEL_CACHE_FILL, "calibration": CALIBRATION}
+            "held_out_4": HELD_OUT_4, "kernel_cache_fill": KERNEL_CACHE_FILL, "calibration": CALIBRATION}
     cases = {k: v for name, group in sets.items() if args.set in (name, "all") for k, v in group.items()}
     if args.cases:
         cases = {k: v for k, v in cases.items() if k in args.cases.split(",")}

@@ -155,23 +155,18 @@ def test_cpu_attention_scores_are_float32(one_rank):
 
 
 def test_cpu_backend_items(one_rank):
-    """The CPU backend's own bytes: glibc's untrimmed heap top on every CPU rank; oneDNN's
-    kernel caches only for bf16 with MoE layers, 1 - exp(-n / 200) of their asymptote after the
-    run's n expert batches; none on the GPU."""
+    """The CPU backend's own bytes: oneDNN's kernel caches only for bf16 with MoE layers,
+    1 - exp(-n / 200) of their asymptote after the run's n expert batches; none on the GPU."""
     import math
 
-    from engram_train.memory_plan.fixed import (CPU_BF16_MOE_KERNEL_CACHE_BYTES, CPU_HEAP_TOP_BYTES,
-                                                CPU_KERNEL_CACHE_FILL_EXPERT_BATCHES)
+    from engram_train.memory_plan.fixed import CPU_BF16_MOE_KERNEL_CACHE_BYTES, CPU_KERNEL_CACHE_FILL_EXPERT_BATCHES
 
     assert CPU_KERNEL_CACHE_FILL_EXPERT_BATCHES == 200
-    dense = ["model.num_moe_experts=null", "model.moe_ffn_hidden_size=null",
-             "model.moe_shared_expert_intermediate_size=null"]
     fp32, bf16, bf16_dense, short, gpu = (plan_of(o, device=d).ranks[0] for o, d in (
         ([], "cpu"), (["system.precision=bf16", "train.train_iters=1000"], "cpu"),
-        (["system.precision=bf16", *dense], "cpu"),
+        (["system.precision=bf16", *DENSE], "cpu"),
         (["system.precision=bf16", "train.train_iters=2"], "cpu"),
         (["system.precision=bf16"], "cuda")))
-    assert item(fp32, "cpu_heap_top") == CPU_HEAP_TOP_BYTES == item(bf16_dense, "cpu_heap_top")
     assert item(fp32, "cpu_bf16_moe_kernel_cache") == 0 == item(bf16_dense, "cpu_bf16_moe_kernel_cache")
     # steps x 4 micro-batches x 4 experts x 3 MoE layers; 2 x 128 tokens per micro-batch draw
     # fewer distinct expert token counts than 512 or more: (256 / 512) ** 0.25 of the asymptote
@@ -181,6 +176,42 @@ def test_cpu_backend_items(one_rank):
         assert item(run, "cpu_bf16_moe_kernel_cache") == pytest.approx(CPU_BF16_MOE_KERNEL_CACHE_BYTES * share, abs=1)
     assert item(short, "cpu_bf16_moe_kernel_cache") < 0.4 * CPU_BF16_MOE_KERNEL_CACHE_BYTES
     assert not any(n.startswith("cpu_") for n, _, _, _ in gpu.items)
+
+
+DENSE = ["model.num_moe_experts=null", "model.moe_ffn_hidden_size=null",
+         "model.moe_shared_expert_intermediate_size=null"]
+
+
+def step_items(rank):
+    return {n: b for n, _, phase, b in rank.items if phase == "step"}
+
+
+def test_cpu_heap_holes_follow_the_heap_placed_activations(one_rank):
+    """glibc's heap holes: 0.4 of the step's activation bytes, less the items whose single
+    tensors are mmapped (32 MiB or more): the CPU attention's float32 scores [b, heads, s, s]
+    reach 2 x 4 x 1024 x 1024 x 4 = 32 MiB at sequence 1024, the float32 logits (vocabulary
+    4096 padded) at 2048 tokens x 4096 x 4 = 32 MiB; reached over the first passes, 1 -
+    exp(-n / 4) after n forward-backward passes. None on the GPU."""
+    import math
+
+    from engram_train.memory_plan.cpu_heap import CPU_HEAP_FILL_PASSES, CPU_HEAP_HOLE_FRACTION
+
+    assert (CPU_HEAP_HOLE_FRACTION, CPU_HEAP_FILL_PASSES) == (0.4, 4)
+    one_step = plan_of(["train.seq_length=512", "train.train_iters=1"]).ranks[0]
+    steps = step_items(one_step)  # 4 micro-batches
+    assert item(one_step, "cpu_heap_holes") == int(0.4 * (1 - math.exp(-1)) * sum(steps.values()))
+
+    short, long, gpu = (plan_of(o, device=d).ranks[0] for o, d in (
+        (["train.seq_length=512"], "cpu"), (["train.seq_length=1024"], "cpu"),
+        (["train.seq_length=512"], "cuda")))
+    steps = step_items(short)
+    assert steps["attention_scores (unfused)"] == 4 * 2 * 4 * 512 * 512 * 4  # 4 layers
+    assert item(short, "cpu_heap_holes") == int(0.4 * sum(steps.values()))
+    steps = step_items(long)
+    mmapped = ("attention_scores (unfused)", "attention_score_transients", "logits_and_loss")
+    assert steps["logits_and_loss"] == 2048 * 4096 * 12
+    assert item(long, "cpu_heap_holes") == int(0.4 * sum(b for n, b in steps.items() if n not in mmapped))
+    assert item(gpu, "cpu_heap_holes") == 0
 
 
 def test_parse_bytes():

@@ -217,6 +217,17 @@ def stage_activations(config, layout: Layout, stage: int, layers: list[int], a: 
     return items
 
 
+def single_tensor_bytes(config, layout: Layout, vocab: int, device: str) -> dict[str, int]:
+    """The size of one tensor of the activation items made of large single tensors (the CPU's
+    unfused attention scores, the float32 logits); the CPU heap's model needs it, since glibc
+    mmaps a tensor of 32 MiB or more and leaves no hole where it was (cpu_heap.py)."""
+    out = {"logits_and_loss": layout.tokens * (vocab // layout.tp) * 4}
+    if not v41_plan.is_v41(config):
+        score = attention_scores_per_layer(config, layout, 4, device)
+        out["attention_scores (unfused)"] = out["attention_score_transients"] = score
+    return out
+
+
 def _scores(config, layout: Layout, a: int, device: str, layers: list[int]) -> int:
     """Unfused attention scores the stage's layers keep (the CPU's attention only)."""
     if not v41_plan.is_v41(config):

@@ -75,21 +75,16 @@ counts over fewer values, so fewer distinct counts are drawn. Measured after 768
 batches: 734 MiB at 256 tokens, 886-923 at 512-2048 (0.83 of it); the plan scales the
 asymptote by (tokens / 512) ** 0.25 below 512 (0.84 at 256; runs below 256 tokens per
 micro-batch were not measured)."""
-CPU_HEAP_TOP_BYTES = 64 * MIB
-"""glibc malloc raises its mmap threshold to the size of a freed block (up to 32 MiB), so
-activation tensors come from the heap, and keeps up to its trim threshold (twice that: 64 MiB)
-of freed heap resident: a CPU run's RSS stays up to 64 MiB above its live tensors (measured
-+120 MiB at 1024 tokens per micro-batch against a fixed mmap threshold, the rest holes in the
-heap)."""
 
 
 def cpu_runtime_items(device: str, precision: str, expert_batches: int | None,
                       moe_on_stage: bool, tokens_per_micro_batch: int | None = None) -> list[tuple[str, int]]:
-    """What the CPU backend keeps beyond the planned tensors (none on the GPU);
-    ``expert_batches``: of the whole run on this rank (None: a long run)."""
+    """What the CPU backend keeps beyond the planned tensors (none on the GPU; glibc's heap
+    holes, which follow the step's activations, are cpu_heap.py's); ``expert_batches``: of
+    the whole run on this rank (None: a long run)."""
     if device != "cpu":
         return []
-    items = [("cpu_heap_top", CPU_HEAP_TOP_BYTES)]
+    items = []
     if precision in ("bf16", "fp16") and moe_on_stage:
         share = 1.0 if expert_batches is None else -math.expm1(-expert_batches / CPU_KERNEL_CACHE_FILL_EXPERT_BATCHES)
         if tokens_per_micro_batch is not None and tokens_per_micro_batch < CPU_KERNEL_CACHE_FULL_TOKENS:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engram_train.memory_plan import activations, engram_tables, fixed, optimizer_bytes, v41_plan
+from engram_train.memory_plan import activations, cpu_heap, engram_tables, fixed, optimizer_bytes, v41_plan
 from engram_train.memory_plan.plan_layout import Layout
 from engram_train.memory_plan.model_bytes import StageParams, grad_buffer_bytes, weight_bytes
 
@@ -56,7 +56,7 @@ ADVICE = {
     "checkpoint_save": "checkpoint.save_interval (saves are transient), system.use_distributed_optimizer=true",
     "process_baseline": "--nproc-per-node (fewer ranks per node)",
     "cpu_bf16_moe_kernel_cache": "system.precision=fp32 (CPU runs)",
-    "cpu_heap_top": "--nproc-per-node (fewer ranks per node)",
+    "cpu_heap_holes": "train.micro_batch_size, train.seq_length (CPU runs)",
 }
 
 
@@ -117,7 +117,8 @@ def plan_stage(config, layout: Layout, sp: StageParams, layers: list[int], preci
         if phase == "persistent" and name != f"engram_tables_{config.engram_table_dtype}":
             table_state += nbytes
 
-    for name, nbytes in activations.stage_activations(config, layout, sp.stage, layers, a, vocab, device).items():
+    step = activations.stage_activations(config, layout, sp.stage, layers, a, vocab, device)
+    for name, nbytes in step.items():
         rp.add(name, "device", "step", nbytes)
     rp.add("prefetch_buffers", "host", "persistent", activations.prefetch_bytes(config, layout))
 
@@ -142,6 +143,10 @@ def plan_stage(config, layout: Layout, sp: StageParams, layers: list[int], preci
     tokens = layout.micro_batch_size * layout.seq_length
     for name, nbytes in fixed.cpu_runtime_items(device, precision, batches, sp.group("expert") > 0, tokens):
         rp.add(name, "host", "persistent", nbytes)
+    if device == "cpu":
+        passes = layout.train_iters * layout.num_micro if layout.train_iters else None
+        holes = cpu_heap.heap_hole_bytes(step, activations.single_tensor_bytes(config, layout, vocab, device), passes)
+        rp.add("cpu_heap_holes", "host", "persistent", holes)
     return rp
 
 
