@@ -265,6 +265,8 @@ def test_bad_arguments_exit_1_with_the_field():
     assert proc.returncode == 1 and "--device-memory='lots'" in proc.stderr and "Traceback" not in proc.stderr
     proc = plan_cli("system.tensor_model_parallel_size=3", "--nproc-per-node", "4", check=False)
     assert proc.returncode == 1 and "tensor" in proc.stderr and "Traceback" not in proc.stderr
+    proc = plan_cli("--vocab-size", "0", check=False)
+    assert proc.returncode == 1 and "--vocab-size=0 must be >= 1" in proc.stderr and "Traceback" not in proc.stderr
 
 
 # -- calibration: predicted vs measured peak RSS per rank ----------------------------------------

@@ -161,8 +161,8 @@ def _plan_from_args(args):
     from engram_train.training.param_count import compose_config
     from engram_train.training.run_config import ConfigError
 
-    for flag in ("nproc_per_node", "nnodes"):
-        if getattr(args, flag) < 1:
+    for flag in ("nproc_per_node", "nnodes", "vocab_size"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise PlanError(f"--{flag.replace('_', '-')}={getattr(args, flag)} must be >= 1")
     search = _search_nodes_arg(args)
     device_memory = parse_bytes(args.device_memory, "--device-memory") if args.device_memory else None
