@@ -9,6 +9,7 @@ names. When an iteration appears more than once (a resumed run), its last record
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -129,9 +130,17 @@ def plot_runs(
     ax.legend(fontsize="small")
     fig.tight_layout()
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, format="png")
-    plt.close(fig)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    try:  # written beside the target and renamed: a failed write leaves an earlier plot whole
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(tmp, format="png")
+        os.replace(tmp, out)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise PlotError(f"cannot write {out}: {e.strerror or e}; give --out a writable path") from None
+    finally:
+        plt.close(fig)
     return out
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import struct
 import zlib
@@ -154,6 +155,22 @@ def test_plot_cli(tmp_path, capsys):
     assert out.stat().st_size > 10_000
     assert plot_main([str(tmp_path / "missing")]) == 1
     assert "no metrics.jsonl" in capsys.readouterr().err
+
+
+def test_plot_that_cannot_be_written_is_one_line_and_keeps_the_old_plot(tmp_path, capsys):
+    """An unwritable --out ends in one line naming it; a write that fails midway (a folder in
+    the temporary file's place stands for a full disk) leaves the earlier plot as it was."""
+    write_run(tmp_path / "run")
+    assert plot_main([str(tmp_path / "run"), "--out", str(tmp_path / "run" / "metrics.jsonl" / "x.png")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("engram-plot: cannot write ") and "--out" in err and "Traceback" not in err
+    out = tmp_path / "loss.png"
+    assert plot_main([str(tmp_path / "run"), "--out", str(out)]) == 0
+    before = out.read_bytes()
+    (tmp_path / f".loss.png.{os.getpid()}.tmp").mkdir()
+    assert plot_main([str(tmp_path / "run"), "--out", str(out), "--logy"]) == 1
+    assert out.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f".loss.png.{os.getpid()}.tmp", "loss.png", "run"]
 
 
 def test_smooth_ema():
