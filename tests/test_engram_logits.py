@@ -182,3 +182,6 @@ def test_existing_out_is_kept_without_force(capsys, tmp_path, trained):
         main(["--load", str(trained.ckpt), "--ids", str(trained.ids), "--out", str(out)])
     assert "already exists; choose another file or pass --force" in capsys.readouterr().err
     assert out.read_text() == "earlier"
+    with pytest.raises(SystemExit):  # a folder it cannot write in: refused before the model loads
+        main(["--load", str(trained.ckpt), "--ids", str(trained.ids), "--out", "/proc/logits.safetensors"])
+    assert "--out /proc/logits.safetensors: cannot write in /proc (" in capsys.readouterr().err

@@ -83,6 +83,15 @@ def test_force_replaces_only_an_earlier_export(tmp_path):
     assert (out / "kept" / TRACKER).is_file()
 
 
+def test_an_out_that_cannot_be_written_is_refused_before_loading(tmp_path):
+    """A folder the process cannot write in (procfs accepts no new entries, root included) is
+    named in one line before any checkpoint is read."""
+    ckpt = fake_checkpoint(tmp_path / "ckpt")
+    error = cli_error("--load", ckpt, "--out", "/proc/engram-export-out")
+    assert error.startswith("engram-export: error: --out /proc/engram-export-out: cannot write in /proc (")
+    assert "\n" not in error
+
+
 def test_publish_is_atomic_marks_the_export_and_removes_stale_partials(tmp_path):
     out = tmp_path / "model"
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,

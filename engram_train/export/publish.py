@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from engram_train.checkpoint.layout import MANIFEST, TRACKER, fsync_dir
+from engram_train.checkpoint.layout import MANIFEST, TRACKER, fsync_dir, probe_write
 from engram_train.checkpoint.lock import process_alive
 from engram_train.export.export_errors import ExportError
 
@@ -106,6 +106,11 @@ def check_out(out: str | os.PathLike, load: str | os.PathLike, *, force: bool) -
                 f"--out {out} {where} a checkpoint folder; an export never writes there (--force "
                 "included): choose an --out outside it"
             )
+    try:
+        probe_write(out.parent)
+    except OSError as e:
+        raise ExportError(f"--out {out}: cannot write in {out.parent} ({e.strerror or e}); choose an "
+                          "--out in a folder this process can write to") from None
     if not (out.is_dir() and any(out.iterdir())):
         return out
     if not (out / MARKER).is_file():

@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from engram_train.checkpoint.layout import probe_write
 from engram_train.errors import ConfigError, EngramError, InputError
 
 LOGITS = "logits"
@@ -108,6 +109,11 @@ def check_out(out: str | os.PathLike, force: bool) -> Path:
                          "replace it")
     if not out.parent.is_dir():
         raise InputError(f"--out {out}: folder {out.parent} does not exist; create it first")
+    try:
+        probe_write(out.parent)
+    except OSError as e:
+        raise InputError(f"--out {out}: cannot write in {out.parent} ({e.strerror or e}); choose a "
+                         "folder this process can write to") from None
     return out
 
 

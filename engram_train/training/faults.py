@@ -23,11 +23,9 @@ import math
 import os
 import signal
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -43,12 +41,10 @@ def check_writable(path: str | os.PathLike, key: str) -> None:
     """Create ``path`` if needed and write a probe file into it; `ConfigError` naming ``key``."""
     from engram_train.training.run_config import ConfigError
 
-    p = Path(path)
+    from engram_train.checkpoint.layout import probe_write
+
     try:
-        p.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".write-check-", dir=p)
-        os.close(fd)
-        os.remove(probe)
+        probe_write(path)
     except OSError as e:
         raise ConfigError(
             f"{key}={path} is not writable ({e.strerror or e}): choose a directory this job can "
