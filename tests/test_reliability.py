@@ -260,6 +260,16 @@ def test_failed_preprocess_keeps_the_existing_output(tmp_path, capsys):
         assert (tmp_path / "data" / f"corpus_text_document.{ext}").read_bytes() == data
     assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["corpus_text_document.bin",
                                                                     "corpus_text_document.idx"]
+    # a tokenizer path that holds none: one line naming the flag, the earlier output kept
+    from engram_train.data.preprocess import main
+
+    assert main(["--input", str(good), "--output-prefix", str(out), "--tokenizer", str(tmp_path / "missing"),
+                 "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"engram-preprocess: --tokenizer: no tokenizer.json at '{tmp_path / 'missing'}'")
+    assert err.count("\n") == 1 and "Traceback" not in err
+    for ext, data in pair.items():
+        assert (tmp_path / "data" / f"corpus_text_document.{ext}").read_bytes() == data
 
 
 @pytest.mark.parametrize(

@@ -325,8 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).* not installed")
     from engram_train.data.text_tokenizer import load_tokenizer
 
-    tokenizer = load_tokenizer(args.tokenizer, eod_token=args.eod_token)
     try:
+        tokenizer = load_tokenizer(args.tokenizer, eod_token=args.eod_token, field="--tokenizer")
         summary = preprocess(
             args.input,
             args.output_prefix,
@@ -339,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
             skip_bad_lines=args.skip_bad_lines,
         )
     except (EngramError, FileNotFoundError) as e:
-        print(f"engram-preprocess: {e}; nothing was written", file=sys.stderr)
+        print(f"engram-preprocess: {str(e).rstrip('.')}; nothing was written", file=sys.stderr)
         return 1
     print(
         f"wrote {summary['prefix']}.bin/.idx: {summary['documents']} documents, "

@@ -32,9 +32,10 @@ EOD_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>"
 PAD_CANDIDATES = ("<pad>", "<|pad|>", "[PAD]")
 
 
-def resolve_tokenizer_file(path: str | os.PathLike) -> Path:
-    """Return the ``tokenizer.json`` that `path` (``data.tokenizer``) names."""
-    return _resolve(path, field="data.tokenizer", hint="; the demo tokenizer is examples/data/tokenizer")
+def resolve_tokenizer_file(path: str | os.PathLike, field: str = "data.tokenizer") -> Path:
+    """Return the ``tokenizer.json`` that `path` names; an error names `field` (the config
+    field, or a command's flag)."""
+    return _resolve(path, field=field, hint="; the demo tokenizer is examples/data/tokenizer")
 
 
 class HFTokenizer(MegatronTokenizerBase):
@@ -57,10 +58,11 @@ class HFTokenizer(MegatronTokenizerBase):
         path: str | os.PathLike,
         eod_token: str | None = None,
         pad_token: str | None = None,
+        field: str = "data.tokenizer",
     ) -> None:
         from tokenizers import Tokenizer
 
-        file = resolve_tokenizer_file(path)
+        file = resolve_tokenizer_file(path, field)
         super().__init__(str(file), {})
         self.file = file
         self._tok = Tokenizer.from_file(str(file))
@@ -168,7 +170,8 @@ def _token_str(value) -> str | None:
 
 
 def load_tokenizer(
-    path: str | os.PathLike, eod_token: str | None = None, pad_token: str | None = None
+    path: str | os.PathLike, eod_token: str | None = None, pad_token: str | None = None,
+    field: str = "data.tokenizer",
 ) -> HFTokenizer:
-    """Load the tokenizer named by the ``data.tokenizer`` config field."""
-    return HFTokenizer(path, eod_token=eod_token, pad_token=pad_token)
+    """Load the tokenizer named by the ``data.tokenizer`` config field (or by `field`)."""
+    return HFTokenizer(path, eod_token=eod_token, pad_token=pad_token, field=field)
