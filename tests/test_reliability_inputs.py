@@ -103,8 +103,13 @@ def _cfg(*overrides):
     ("train.seq_length=0", "train.seq_length=0 must be >= 1 (tokens per sample)"),
     ("system.context_parallel_size=2 train.seq_length=126",
      "train.seq_length=126 must be a multiple of 2 x system.context_parallel_size = 4"),
+    ("system.tensor_model_parallel_size=2 system.sequence_parallel=true train.seq_length=127",
+     "train.seq_length=127 must be a multiple of system.tensor_model_parallel_size=2: sequence "
+     "parallelism splits"),
+    ("model.moe_router_topk=9", "model.moe_router_topk=9 must be between 1 and model.num_moe_experts=4"),
+    ("model.moe_router_topk=0", "model.moe_router_topk=0 must be between 1 and model.num_moe_experts=4"),
 ])
-def test_bad_split_and_sequence_length_fail_before_the_build(override, message):
+def test_bad_split_sequence_length_and_routing_fail_before_the_build(override, message):
     from engram_train.training.run_config import ConfigError, validate_run_config
 
     with pytest.raises(ConfigError, match=re.escape(message)):

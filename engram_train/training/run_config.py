@@ -223,6 +223,20 @@ def _check_tensor_and_expert_parallel(cfg, p: ParallelSizes) -> None:
             f"model.num_moe_experts={backbone['num_moe_experts']} must be divisible by "
             f"system.expert_model_parallel_size={p.expert}"
         )
+    experts, topk = backbone["num_moe_experts"], backbone.get("moe_router_topk")
+    if experts and topk is not None and not 1 <= topk <= experts:
+        raise ConfigError(
+            f"model.moe_router_topk={topk} must be between 1 and model.num_moe_experts={experts} "
+            "(each token is routed to topk distinct experts)"
+        )
+    per_rank = cfg.train.seq_length // p.context
+    if p.tensor > 1 and sequence_parallel(cfg) and per_rank % p.tensor:
+        raise ConfigError(
+            f"train.seq_length={cfg.train.seq_length} must be a multiple of "
+            f"system.tensor_model_parallel_size={p.tensor}"
+            + (f" x system.context_parallel_size={p.context}" if p.context > 1 else "")
+            + ": sequence parallelism splits each rank's sequence over the tensor-parallel ranks"
+        )
 
 
 def engram_table_params_per_rank(cfg) -> int:
