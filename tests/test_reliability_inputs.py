@@ -100,6 +100,7 @@ def _cfg(*overrides):
     ("data.split=abc", "data.split='abc' must be up to three non-negative train,valid,test shares"),
     ("data.split='0,0,0'", "data.split='0,0,0' must be up to three"),
     ("data.split='90,10,-1'", "data.split='90,10,-1' must be up to three"),
+    ("data.split='0,0,100'", "data.split='0,0,100' gives training no share of the data"),
     ("train.seq_length=0", "train.seq_length=0 must be >= 1 (tokens per sample)"),
     ("system.context_parallel_size=2 train.seq_length=126",
      "train.seq_length=126 must be a multiple of 2 x system.context_parallel_size = 4"),

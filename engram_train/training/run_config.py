@@ -371,6 +371,11 @@ def _check_split(split) -> None:
             f"data.split={split!r} must be up to three non-negative train,valid,test shares, not all "
             'zero, e.g. data.split="90,10,0"'
         )
+    if shares[0] == 0:
+        raise ConfigError(
+            f"data.split={split!r} gives training no share of the data (the first of train,valid,"
+            'test): give it one, e.g. data.split="90,10,0"'
+        )
 
 
 def _check_data(cfg) -> None:
