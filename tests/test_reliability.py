@@ -270,6 +270,10 @@ def test_failed_preprocess_keeps_the_existing_output(tmp_path, capsys):
     assert err.count("\n") == 1 and "Traceback" not in err
     for ext, data in pair.items():
         assert (tmp_path / "data" / f"corpus_text_document.{ext}").read_bytes() == data
+    # an output folder it cannot write in (procfs: root included): refused before tokenizing
+    assert _preprocess("--input", str(good), "--output-prefix", "/proc/corpus") == 1
+    err = capsys.readouterr().err
+    assert err.startswith("engram-preprocess: --output-prefix /proc/corpus: cannot write in /proc (")
 
 
 @pytest.mark.parametrize(

@@ -33,7 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
-from engram_train.errors import EngramError
+from engram_train.checkpoint.layout import probe_write
+from engram_train.errors import EngramError, InputError
 
 TEXT_DOC_MODES = ("paragraph", "line", "file")
 BATCH_DOCS = 512
@@ -213,7 +214,11 @@ def preprocess(
         if not p.is_file():
             raise FileNotFoundError(f"input file not found: {p}")
     prefix = f"{output_prefix}_{json_key}_document"
-    Path(prefix).parent.mkdir(parents=True, exist_ok=True)
+    try:
+        probe_write(Path(prefix).parent)
+    except OSError as e:
+        raise InputError(f"--output-prefix {output_prefix}: cannot write in {Path(prefix).parent} "
+                         f"({e.strerror or e}); choose a folder this process can write to") from None
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
     bin_path, idx_path = Path(get_bin_path(prefix)), Path(get_idx_path(prefix))
     tmp_bin = bin_path.with_name(f"{bin_path.name}.tmp-{os.getpid()}")
