@@ -23,7 +23,7 @@ import sys
 
 import pytest
 
-from launch import REPO, free_port, run_process
+from launch import REPO, free_port, run_process, torchrun
 
 EIGHT_LAYERS = ("model.num_hidden_layers=8", "model.compress_ratios=[0,2,2,1,1,1,1,1]",
                 "model.kv_source_layer_ids=[1,3]", "model.index_source_layer_ids=[1,2,3,6]",
@@ -105,8 +105,22 @@ def test_v41_layouts_the_run_config_accepts():
     assert config.engram_embedding_parallel_size == 2
 
 
+def test_all_to_all_expert_dispatch_against_one_process(tmp_path):
+    """The EP 2 dispatch on its own (tests/dist/v41_expert_dispatch.py): outputs bit for bit
+    one process's, routing-weight and expert-weight gradients too, the tokens' gradient within
+    float32 rounding (one bf16 step in bf16), also when one rank receives no pair (every choice
+    on rank 0's experts) or sends none (its tokens masked)."""
+    results = torchrun("v41_expert_dispatch.py", 2, tmp_path)
+    assert results[1]["to_rank0 float32"]["received_pairs"] == 0
+    for rank in results:
+        assert len(rank) == 6
+        for case, r in rank.items():
+            assert r["output_equal"] and r["weight_grad"] == 0 and r["expert_grad"] == 0, case
+            assert r["x_grad"] <= (2e-6 if "float32" in case else 2 ** -7), case
+
+
 def test_expert_parallel_two_trains_as_one_process(losses):
-    """The routed experts split over EP 2 (the exact all-gather / all-reduce dispatch), their
+    """The routed experts split over EP 2 (the exact all-to-all dispatch), their
     checkpoint tensors sharded on the expert axis: the one-process checkpoint loads as two
     halves, and the EP 2 run saves two 2-expert blocks of the 4-expert tensor."""
     from torch.distributed.checkpoint import FileSystemReader

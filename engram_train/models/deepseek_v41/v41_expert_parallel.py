@@ -1,19 +1,23 @@
 """DeepSeek-V4.1's expert parallelism: the exact dispatch of its routed experts and their
 checkpoint view (``v41_moe.DeepseekV41Experts``).
 
-The dispatch gathers the EP group's tokens (``[tokens, hidden]``), routing weights and expert
-choices on every rank, each rank adds its own experts' contributions for all of them into a
-float32 ``[ep * tokens, hidden]`` sum, and the sums are added over the group (all-reduce), each
-rank keeping its own rows. Backward: the gradient of the gathered inputs is summed over the
-group and sliced (the gather's adjoint), and the gradient of a rank's own rows is gathered
-into every rank's sum (the reduction's adjoint). Only all-gather and all-reduce are used, which
-every backend has (gloo has no reduce-scatter). A rank's expert weights thus see the tokens of
-the whole EP group, as under megatron's token dispatchers: their gradient is that of the EP
-group's loss, which DDP reduces over the expert data-parallel group only (``allreduce =
-False``).
+The dispatch is an all-to-all, as megatron's token dispatcher: every (token, choice) pair is
+sent, with its routing weight, to the rank holding its expert, grouped by destination rank and
+in token order within it; each rank runs its experts on the pairs it received (an expert sees
+the EP group's tokens in rank order, then token order); the float32 contributions come back by
+the reverse all-to-all, and each token's contributions are added in ascending expert order,
+the order of one process's loop over its experts, so a token's sum is one process's sum.
+Backward: each exchange's adjoint is the reverse exchange. Traffic per rank and MoE layer is
+about ``top-k x tokens x hidden`` each way, whatever ``ep`` (an all-gather of the group's
+tokens and an all-reduce of an ``[ep x tokens, hidden]`` sum, as this dispatch was first, grew
+with ``ep``). A rank's expert weights see the tokens of the whole EP group, as under
+megatron's dispatchers: their gradient is that of the EP group's loss, which DDP reduces over
+the expert data-parallel group only (``allreduce = False``).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -21,68 +25,93 @@ import torch.distributed as dist
 from engram_train.errors import InputError
 
 
-def _gather_rows(x: torch.Tensor, group) -> torch.Tensor:
-    parts = [torch.empty_like(x) for _ in range(group.size())]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=0)
+def _exchange(x: torch.Tensor, send_splits: list[int], recv_splits: list[int], group) -> torch.Tensor:
+    out = x.new_empty((sum(recv_splits), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group)
+    return out
 
 
-def _own_rows(x: torch.Tensor, rows: int, group) -> torch.Tensor:
-    start = group.rank() * rows
-    return x[start:start + rows]
-
-
-class _GatherRows(torch.autograd.Function):
-    """All-gather along dim 0; backward: the gradient summed over the group, own rows kept."""
+class _ExchangeRows(torch.autograd.Function):
+    """All-to-all of rows with uneven splits; backward: the reverse all-to-all."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group, ctx.rows = group, x.shape[0]
-        return _gather_rows(x, group)
+    def forward(ctx, x, send_splits, recv_splits, group):
+        ctx.splits, ctx.group = (send_splits, recv_splits), group
+        return _exchange(x, send_splits, recv_splits, group)
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return _own_rows(grad, ctx.rows, ctx.group).contiguous(), None
+        send_splits, recv_splits = ctx.splits
+        return _exchange(grad, recv_splits, send_splits, ctx.group), None, None, None
 
 
-class _ReduceToOwnRows(torch.autograd.Function):
-    """Sum over the group, own rows kept; backward: every rank's row gradients gathered."""
-
-    @staticmethod
-    def forward(ctx, x, rows, group):
-        ctx.group = group
-        total = x.contiguous().clone()
-        dist.all_reduce(total, group=group)
-        return _own_rows(total, rows, group).contiguous()
+class _SendPairs(torch.autograd.Function):
+    """The pairs' rows and routing weights out, in one autograd node, so that every rank runs
+    the two reverse exchanges of its backward in the same order (an unused output's gradient
+    is zeros: every rank takes part, also one that received no pair)."""
 
     @staticmethod
-    def backward(ctx, grad):
-        return _gather_rows(grad.contiguous(), ctx.group), None, None
+    def forward(ctx, rows, weights, send_splits, recv_splits, group):
+        ctx.splits, ctx.group = (send_splits, recv_splits), group
+        return (_exchange(rows, send_splits, recv_splits, group),
+                _exchange(weights, send_splits, recv_splits, group))
+
+    @staticmethod
+    def backward(ctx, grad_rows, grad_weights):
+        send_splits, recv_splits = ctx.splits
+        return (_exchange(grad_rows, recv_splits, send_splits, ctx.group),
+                _exchange(grad_weights, recv_splits, send_splits, ctx.group), None, None, None)
+
+
+@dataclass
+class Route:
+    """Where this rank's (token, choice) pairs went: ``token`` and ``expert`` (global id) per
+    sent pair, in send order, and the per-rank counts both ways."""
+
+    token: torch.Tensor
+    expert: torch.Tensor
+    send_splits: list[int]
+    recv_splits: list[int]
 
 
 class ExpertParallelDispatch:
-    """The dispatch over `group` (module docstring); size 1 (or no group) passes through."""
+    """The dispatch over `group` (module docstring); size 1 (or no group) has no exchange."""
 
     def __init__(self, group=None) -> None:
         self.group = group
         self.size = group.size() if group is not None else 1
         self.rank = group.rank() if group is not None else 0
 
-    def gather(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor):
-        """The EP group's ``x [tokens, hidden]``, ``weights [tokens, k]`` (differentiable) and
-        expert choices ``[tokens, k]`` (-1: none), rank order."""
-        if self.size == 1:
-            return x, weights, chosen
-        return (_GatherRows.apply(x, self.group), _GatherRows.apply(weights, self.group),
-                _gather_rows(chosen, self.group))
+    def send(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, num_local: int):
+        """``x [tokens, hidden]``, ``weights [tokens, k]`` (differentiable), expert choices
+        ``[tokens, k]`` (-1: none) -> the pairs this rank's experts serve: their rows, routing
+        weights and local expert ids (by source rank, then source token), and the `Route`."""
+        token, slot = torch.where(chosen >= 0)  # token order, then slot
+        expert = chosen[token, slot]
+        owner = torch.div(expert, num_local, rounding_mode="floor")
+        order = torch.sort(owner, stable=True)[1]  # grouped by owner, token order kept
+        token, slot, expert, owner = token[order], slot[order], expert[order], owner[order]
+        send_counts = torch.bincount(owner, minlength=self.size)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        route = Route(token, expert, send_counts.tolist(), recv_counts.tolist())
+        args = (route.send_splits, route.recv_splits, self.group)
+        rows, pair_weights = _SendPairs.apply(x[token], weights[token, slot], *args)
+        local = _exchange(expert, *args) - self.rank * num_local
+        return rows, pair_weights, local, route
 
-    def reduce(self, out: torch.Tensor, rows: int) -> torch.Tensor:
-        """This rank's `rows` of the group's summed contributions."""
-        if self.size == 1:
-            return out
-        return _ReduceToOwnRows.apply(out, rows, self.group)
+    def combine(self, contributions: torch.Tensor, route: Route, tokens: int) -> torch.Tensor:
+        """The float32 ``contributions`` of the received pairs back to their tokens:
+        ``[tokens, hidden]``, each token's added in ascending expert order."""
+        back = _ExchangeRows.apply(contributions, route.recv_splits, route.send_splits, self.group)
+        out = back.new_zeros((tokens, back.shape[1]))
+        if not route.expert.numel():  # nothing sent: the exchange still joins the backward
+            return out + back.sum()
+        order = torch.sort(route.expert, stable=True)[1]
+        counts = torch.unique_consecutive(route.expert[order], return_counts=True)[1]
+        for rows in torch.split(order, counts.tolist()):
+            out = out.index_add(0, route.token[rows], back[rows])
+        return out
 
 
 def expert_sharded_state_dict(module, names, dispatch: ExpertParallelDispatch, prefix: str,

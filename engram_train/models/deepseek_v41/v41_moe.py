@@ -18,10 +18,10 @@ update rule from the expert loads belongs to the trainer; none is applied here).
 Parallelism: routed experts are stacked ``[experts, out, in]`` (``w1``, ``w3``, ``w2`` in
 ``nn.Linear`` orientation) so expert parallelism splits dim 0; the shared expert is megatron's
 column-parallel ``w1``/``w3`` and row-parallel ``w2``. Under expert parallelism (megatron's
-expert-model-parallel group) each rank holds ``experts / ep`` of them and the dispatch is the
-simplest exact one: the EP group's tokens, routing weights and choices are gathered, each rank
-adds its own experts' contributions for all of them, and the float32 sums are added over the
-group, each rank keeping its own tokens' (`ExpertParallelDispatch`). The expert weights are
+expert-model-parallel group) each rank holds ``experts / ep`` of them and an exact all-to-all
+dispatch sends each (token, choice) pair to its expert's rank and the float32 contributions
+back, each token's added in ascending expert order as in one process
+(`ExpertParallelDispatch`). The expert weights are
 megatron's expert parameters (``allreduce = False``: DDP reduces them over the expert
 data-parallel group) and their checkpoint tensors are sharded on the expert axis.
 """
@@ -106,18 +106,30 @@ class DeepseekV41Experts(nn.Module):
         """``x [tokens, hidden]``, the router's ``weights``/``indices`` ``[tokens, k]`` ->
         ``[tokens, hidden]`` in x's dtype (accumulated in float32)."""
         chosen = indices if valid is None else indices.masked_fill(~valid.unsqueeze(-1), -1)
-        rows = x.shape[0]
-        x, weights, chosen = self.dispatch.gather(x, weights, chosen)
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        local = chosen - self.first
-        local = local.masked_fill((chosen < 0) | (local >= self.num_local), -1)
-        for expert in torch.unique(local[local >= 0]).tolist():
-            token, slot = torch.where(local == expert)
-            xe = x[token]
-            hidden = clamped_swiglu(xe @ self.w1[expert].t(), xe @ self.w3[expert].t(), self.limit)
-            hidden = (hidden * weights[token, slot, None]).to(x.dtype)
-            out.index_add_(0, token, (hidden @ self.w2[expert].t()).float())
-        return self.dispatch.reduce(out, rows).to(x.dtype)
+        if self.dispatch.size == 1:
+            out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+            for expert in torch.unique(chosen[chosen >= 0]).tolist():
+                token, slot = torch.where(chosen == expert)
+                out.index_add_(0, token, self._expert(expert, x[token], weights[token, slot]))
+            return out.to(x.dtype)
+        rows, pair_weights, local, route = self.dispatch.send(x, weights, chosen, self.num_local)
+        results, served = [], []
+        for expert in torch.unique(local).tolist():
+            (pairs,) = torch.where(local == expert)
+            results.append(self._expert(expert, rows[pairs], pair_weights[pairs]))
+            served.append(pairs)
+        if results:  # every received pair has its expert here: back in received order
+            contributions = torch.cat(results)[torch.argsort(torch.cat(served))]
+        else:  # no pair: an empty float32 block that keeps the exchange in the backward
+            contributions = rows.float() * 0
+        return self.dispatch.combine(contributions, route, x.shape[0]).to(x.dtype)
+
+    def _expert(self, expert: int, xe: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Local expert ``expert`` on rows ``xe`` scaled by their routing ``weight``:
+        float32 ``[rows, hidden]``."""
+        hidden = clamped_swiglu(xe @ self.w1[expert].t(), xe @ self.w3[expert].t(), self.limit)
+        hidden = (hidden * weight[:, None]).to(xe.dtype)
+        return (hidden @ self.w2[expert].t()).float()
 
 
 class DeepseekV41SharedExpert(nn.Module):
