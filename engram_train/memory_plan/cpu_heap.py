@@ -12,8 +12,8 @@ sequence 768, against 830 MiB peak RSS with a fixed 64 KiB threshold (every bloc
 the kernel at free) and 1181-1204 with glibc's default.
 
 Tensors of 32 MiB and more are always mmapped and returned at free, so they leave no holes:
-the CPU attention's ``[b, heads, s, s]`` float32 scores at sequence 1024 and two 4-head
-micro-batch rows, or the logits of a large vocabulary. The plan counts the holes as
+the CPU attention's float32 scores ``[b, heads, s, s]`` from 32 MiB (2 x 4 x 1024 x 1024 x 4
+bytes), or the float32 logits of a large vocabulary. The plan counts the holes as
 ``CPU_HEAP_HOLE_FRACTION`` of a step's activation bytes held in tensors below the threshold,
 reached over the run's first forward-backward passes (``CPU_HEAP_FILL_PASSES``): the heap of
 that run measured 494, 602 and 757 MiB after passes 1, 2 and about 9, and 720-908 MiB over
