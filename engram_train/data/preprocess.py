@@ -27,13 +27,13 @@ import gzip
 import json
 import os
 import sys
+import tempfile
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
-from engram_train.checkpoint.layout import probe_write
 from engram_train.errors import EngramError, InputError
 
 TEXT_DOC_MODES = ("paragraph", "line", "file")
@@ -214,8 +214,11 @@ def preprocess(
         if not p.is_file():
             raise FileNotFoundError(f"input file not found: {p}")
     prefix = f"{output_prefix}_{json_key}_document"
-    try:
-        probe_write(Path(prefix).parent)
+    try:  # a folder it cannot write in is refused before the inputs are read
+        Path(prefix).parent.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write-check-", dir=Path(prefix).parent)
+        os.close(fd)
+        os.remove(probe)
     except OSError as e:
         raise InputError(f"--output-prefix {output_prefix}: cannot write in {Path(prefix).parent} "
                          f"({e.strerror or e}); choose a folder this process can write to") from None
