@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import os
-import tempfile
 import re
 import shutil
 from pathlib import Path
@@ -40,17 +39,6 @@ def iteration_of(path: str | os.PathLike) -> int | None:
     """The iteration an ``iter_N`` directory name stands for, else None."""
     match = _ITER_DIR.match(Path(path).name)
     return int(match.group(1)) if match else None
-
-
-def probe_write(folder: str | os.PathLike) -> None:
-    """Create ``folder`` if needed and write and remove a probe file in it; raises the
-    ``OSError`` a later write there would meet (read-only mount, no permission, a file in the
-    way), so commands refuse before they spend time on work they could not keep."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    fd, probe = tempfile.mkstemp(prefix=".write-check-", dir=folder)
-    os.close(fd)
-    os.remove(probe)
 
 
 def fsync_dir(path: str | os.PathLike) -> None:

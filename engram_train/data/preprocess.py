@@ -27,7 +27,6 @@ import gzip
 import json
 import os
 import sys
-import tempfile
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from engram_train.errors import EngramError, InputError
+from engram_train.output_paths import probe_write
 
 TEXT_DOC_MODES = ("paragraph", "line", "file")
 BATCH_DOCS = 512
@@ -215,10 +215,7 @@ def preprocess(
             raise FileNotFoundError(f"input file not found: {p}")
     prefix = f"{output_prefix}_{json_key}_document"
     try:  # a folder it cannot write in is refused before the inputs are read
-        Path(prefix).parent.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".write-check-", dir=Path(prefix).parent)
-        os.close(fd)
-        os.remove(probe)
+        probe_write(Path(prefix).parent)
     except OSError as e:
         raise InputError(f"--output-prefix {output_prefix}: cannot write in {Path(prefix).parent} "
                          f"({e.strerror or e}); choose a folder this process can write to") from None

@@ -26,9 +26,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from engram_train.checkpoint.layout import MANIFEST, TRACKER, fsync_dir, probe_write
+from engram_train.checkpoint.layout import MANIFEST, TRACKER, fsync_dir
 from engram_train.checkpoint.lock import process_alive
 from engram_train.export.export_errors import ExportError
+from engram_train.output_paths import probe_write
 
 # Written into every export: what --force may replace.
 MARKER = ".engram-export.json"

@@ -40,8 +40,8 @@ from typing import Any
 
 import torch
 
-from engram_train.checkpoint.layout import probe_write
 from engram_train.errors import ConfigError, EngramError, InputError
+from engram_train.output_paths import probe_write
 
 LOGITS = "logits"
 IDS_EXAMPLE = "[[1, 2, 3], [4, 5, 6]]"

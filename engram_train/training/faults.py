@@ -41,7 +41,7 @@ def check_writable(path: str | os.PathLike, key: str) -> None:
     """Create ``path`` if needed and write a probe file into it; `ConfigError` naming ``key``."""
     from engram_train.training.run_config import ConfigError
 
-    from engram_train.checkpoint.layout import probe_write
+    from engram_train.output_paths import probe_write
 
     try:
         probe_write(path)
