@@ -32,35 +32,19 @@ def _exchange(x: torch.Tensor, send_splits: list[int], recv_splits: list[int], g
 
 
 class _ExchangeRows(torch.autograd.Function):
-    """All-to-all of rows with uneven splits; backward: the reverse all-to-all."""
+    """All-to-all of one or more row tensors with the same uneven splits, in one autograd node,
+    so that every rank runs the reverse exchanges of its backward in the same order (an unused
+    output's gradient is zeros: every rank takes part, also one that received no pair)."""
 
     @staticmethod
-    def forward(ctx, x, send_splits, recv_splits, group):
+    def forward(ctx, send_splits, recv_splits, group, *tensors):
         ctx.splits, ctx.group = (send_splits, recv_splits), group
-        return _exchange(x, send_splits, recv_splits, group)
+        return tuple(_exchange(t, send_splits, recv_splits, group) for t in tensors)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, *grads):
         send_splits, recv_splits = ctx.splits
-        return _exchange(grad, recv_splits, send_splits, ctx.group), None, None, None
-
-
-class _SendPairs(torch.autograd.Function):
-    """The pairs' rows and routing weights out, in one autograd node, so that every rank runs
-    the two reverse exchanges of its backward in the same order (an unused output's gradient
-    is zeros: every rank takes part, also one that received no pair)."""
-
-    @staticmethod
-    def forward(ctx, rows, weights, send_splits, recv_splits, group):
-        ctx.splits, ctx.group = (send_splits, recv_splits), group
-        return (_exchange(rows, send_splits, recv_splits, group),
-                _exchange(weights, send_splits, recv_splits, group))
-
-    @staticmethod
-    def backward(ctx, grad_rows, grad_weights):
-        send_splits, recv_splits = ctx.splits
-        return (_exchange(grad_rows, recv_splits, send_splits, ctx.group),
-                _exchange(grad_weights, recv_splits, send_splits, ctx.group), None, None, None)
+        return (None, None, None, *(_exchange(g, recv_splits, send_splits, ctx.group) for g in grads))
 
 
 @dataclass
@@ -96,21 +80,21 @@ class ExpertParallelDispatch:
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)
         route = Route(token, expert, send_counts.tolist(), recv_counts.tolist())
         args = (route.send_splits, route.recv_splits, self.group)
-        rows, pair_weights = _SendPairs.apply(x[token], weights[token, slot], *args)
+        rows, pair_weights = _ExchangeRows.apply(*args, x[token], weights[token, slot])
         local = _exchange(expert, *args) - self.rank * num_local
         return rows, pair_weights, local, route
 
     def combine(self, contributions: torch.Tensor, route: Route, tokens: int) -> torch.Tensor:
         """The float32 ``contributions`` of the received pairs back to their tokens:
         ``[tokens, hidden]``, each token's added in ascending expert order."""
-        back = _ExchangeRows.apply(contributions, route.recv_splits, route.send_splits, self.group)
+        (back,) = _ExchangeRows.apply(route.recv_splits, route.send_splits, self.group, contributions)
         out = back.new_zeros((tokens, back.shape[1]))
         if not route.expert.numel():  # nothing sent: the exchange still joins the backward
             return out + back.sum()
         order = torch.sort(route.expert, stable=True)[1]
         counts = torch.unique_consecutive(route.expert[order], return_counts=True)[1]
-        for rows in torch.split(order, counts.tolist()):
-            out = out.index_add(0, route.token[rows], back[rows])
+        for rows in torch.split(order, counts.tolist()):  # in place: no copy of out per expert
+            out.index_add_(0, route.token[rows], back[rows])
         return out
 
 
