@@ -159,6 +159,15 @@ def _run_in_zygote(cmd, command: dict, kwargs) -> tuple[subprocess.CompletedProc
     return proc, cpu
 
 
+def _port_picked_now(cmd):
+    """``cmd`` with its ``--master-port=N`` picked again once the launch holds its slots: a port
+    picked when the command was built may be taken by another launch while this one waited."""
+    if not isinstance(cmd, list):
+        return cmd
+    return [f"--master-port={free_port()}" if isinstance(a, str) and a.startswith("--master-port=")
+            else a for a in cmd]
+
+
 def run_process(cmd, **kwargs) -> subprocess.CompletedProcess:
     """``subprocess.run`` holding one CPU slot per rank of ``cmd``. A Python command the test
     zygote recognises (a module, a script, torchrun of either; ``tests/zygote.py``) is forked
@@ -166,8 +175,9 @@ def run_process(cmd, **kwargs) -> subprocess.CompletedProcess:
     (``forked=False``, or ``ENGRAM_TEST_ZYGOTE=0`` for the whole run, starts it as a user does)."""
     ranks = kwargs.pop("ranks", None) or ranks_of(cmd)
     forked = kwargs.pop("forked", True)
-    command = _zygote_command(cmd, kwargs) if forked else None
     with cpu_slots(ranks):
+        cmd = _port_picked_now(cmd)
+        command = _zygote_command(cmd, kwargs) if forked else None
         started, cpu = time.perf_counter(), children_cpu_seconds()
         if command is not None:
             proc, used = _run_in_zygote(cmd, command, kwargs)
@@ -190,16 +200,15 @@ def torchrun(script: str, nproc: int, out_dir: Path, *args: str, timeout: int = 
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
-    with cpu_slots(nproc):  # the port is picked once the launch may start
-        launcher = [str(Path(__file__).parent / "forked_torchrun.py")] if forked else [
-            "-m", "torch.distributed.run"]
-        cmd = [
-            sys.executable, *launcher,
-            f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
-            str(DIST_DIR / script), "--out", str(out_dir), *args,
-        ]
-        proc = run_process(cmd, ranks=nproc, forked=forked, env=env, capture_output=True,
-                           text=True, timeout=timeout)  # the slots held above serve it
+    launcher = [str(Path(__file__).parent / "forked_torchrun.py")] if forked else [
+        "-m", "torch.distributed.run"]
+    cmd = [
+        sys.executable, *launcher,
+        f"--nproc-per-node={nproc}", f"--master-port={free_port()}",  # picked again under the slots
+        str(DIST_DIR / script), "--out", str(out_dir), *args,
+    ]
+    proc = run_process(cmd, ranks=nproc, forked=forked, env=env, capture_output=True,
+                       text=True, timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(
             f"torchrun {script} failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
