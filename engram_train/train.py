@@ -11,6 +11,8 @@ Configuration: conf/train.yaml (+ conf/model/*.yaml), every key documented in RE
 1. `check` (``plan.py``): everything that can go wrong before a process group exists - the
    config, writable output directories, and whether the checkpoint to resume from matches this
    run (Engram hash identity, model shape, LR schedule) and is complete.
+   Then the memory check (``memory_plan/start_check.py``, ``system.memory_check``): the run's
+   memory plan against this machine's memory, refused in one line when it does not fit.
 2. `build` (``job.py``): process groups, data, model, optimizer, LR schedule; free space.
 3. `resume` (``resume.py``): verify the checkpoint's files and load it, or start fresh.
 4. `train` (``loop.py``): the steps, with logging, evaluation, checkpoints, and a clean exit
@@ -39,6 +41,7 @@ from omegaconf import DictConfig  # noqa: E402
 from engram_train.config import register, typed_run_config  # noqa: E402
 from engram_train.errors import ConfigError, EngramError  # noqa: E402
 from engram_train.logs import console  # noqa: E402
+from engram_train.memory_plan.start_check import check_memory  # noqa: E402
 from engram_train.models.presets import CONF_DIR  # noqa: E402
 from engram_train.training.plan import check  # noqa: E402
 
@@ -49,6 +52,9 @@ def run(cfg: DictConfig) -> dict:
     """Train as configured; returns the final metrics of this rank (for tests/tools)."""
     cfg = typed_run_config(cfg)  # a config composed by hand or saved by an older version
     plan = check(cfg)
+    # Whether the run fits this machine, by its memory plan (the model built on the meta
+    # device), before anything large exists: `system.memory_check`.
+    check_memory(cfg, plan.tokenizer.vocab_size)
     # The later stages import megatron's data, model and optimizer modules: only once the
     # config has passed `check`, so that a config error shows at once.
     from engram_train.training.job import build

@@ -17,6 +17,8 @@ from typing import Any, Dict, List, Optional
 from engram_train.errors import ConfigError
 
 SCHEMA_NAME = "engram_run"
+MEMORY_CHECKS = ("refuse", "warn", "off")
+"""`system.memory_check`'s values"""
 
 
 @dataclass
@@ -75,6 +77,9 @@ class SystemConfig:
 
     distributed_timeout_minutes: int = 10
     """process-group timeout"""
+
+    memory_check: str = "refuse"
+    """at start-up, before the model is built: the memory plan of this run against this machine's memory (docs/memory.md); `refuse` a run it says does not fit, `warn` and start anyway, or `off`; `tight` warns"""
 
 
 @dataclass

@@ -15,6 +15,7 @@ predicted peak RSS of a rank.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -157,7 +158,6 @@ def main(argv: list[str] | None = None) -> None:
 def _plan_from_args(args):
     import torch
 
-    from engram_train.runtime import ParallelSizes, destroy_distributed, initialize_distributed
     from engram_train.training.param_count import compose_config
     from engram_train.training.run_config import ConfigError
 
@@ -178,17 +178,28 @@ def _plan_from_args(args):
         cfg = compose_config(args.overrides)
     except Exception as e:  # Hydra's override and composition errors
         raise PlanError(f"invalid overrides: {e}") from None
-    saved = {k: os.environ.get(k) for k in ("WORLD_SIZE", "RANK", "LOCAL_WORLD_SIZE")}
-    os.environ["WORLD_SIZE"], os.environ["RANK"] = "1", "0"
-    initialize_distributed(ParallelSizes())
     try:
-        if search:
-            return search_plan(cfg, search, args.nproc_per_node, args.vocab_size, device,
-                               device_memory, host_memory, baseline)
-        return make_plan(cfg, world, args.nproc_per_node, args.vocab_size, device, device_memory,
-                         host_memory, baseline)
+        with one_rank():
+            if search:
+                return search_plan(cfg, search, args.nproc_per_node, args.vocab_size, device,
+                                   device_memory, host_memory, baseline)
+            return make_plan(cfg, world, args.nproc_per_node, args.vocab_size, device,
+                             device_memory, host_memory, baseline)
     except ConfigError as e:
         raise PlanError(f"invalid configuration for {world} ranks: {e}") from None
+
+
+@contextlib.contextmanager
+def one_rank():
+    """torch.distributed and megatron's parallel state for this process alone (what `make_plan`
+    needs), ended on leaving; torchrun's ``WORLD_SIZE`` and ``RANK`` are put back."""
+    from engram_train.runtime import ParallelSizes, destroy_distributed, initialize_distributed
+
+    saved = {k: os.environ.get(k) for k in ("WORLD_SIZE", "RANK")}
+    os.environ["WORLD_SIZE"], os.environ["RANK"] = "1", "0"
+    try:
+        initialize_distributed(ParallelSizes())
+        yield
     finally:
         destroy_distributed()
         for k, v in saved.items():

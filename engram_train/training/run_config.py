@@ -22,6 +22,7 @@ import torch
 
 from engram_train.config import check_known_keys, resolve
 from engram_train.config.family import DEEPSEEK_V41, preset_family
+from engram_train.config.run import MEMORY_CHECKS
 from engram_train.errors import ConfigError, EngramError  # noqa: F401  (ConfigError: re-exported)
 from engram_train.runtime.distributed import ParallelSizes
 
@@ -329,7 +330,7 @@ def _check_precision(cfg) -> None:
 
 
 def _check_reliability(cfg) -> None:
-    """The checkpoint/fault keys (README 'checkpoint', docs/reliability.md)."""
+    """The checkpoint/fault keys and the memory check (README, docs/reliability.md)."""
     t, c = cfg.train, cfg.checkpoint
     budget = t.nonfinite_skip_budget
     if budget < 0:
@@ -344,6 +345,8 @@ def _check_reliability(cfg) -> None:
         )
     if c.save_interval is not None and c.save_interval < 1:
         raise ConfigError(f"checkpoint.save_interval={c.save_interval} must be >= 1 (or null: only at the end)")
+    if cfg.system.memory_check not in MEMORY_CHECKS:
+        raise ConfigError(f"system.memory_check={cfg.system.memory_check!r} must be one of {', '.join(MEMORY_CHECKS)}")
 
 
 def _check_divergence_guard(t) -> None:
