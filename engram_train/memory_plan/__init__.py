@@ -16,4 +16,5 @@ breakdown of what its ranks hold. One concept per module:
 - ``node_search.py``: ``--search-nodes``, the smallest node count that fits.
 - ``report.py``: the plan per rank kind, whether it fits, the largest items and their fields.
 - ``cli.py``: the ``engram-plan`` command (docs/memory.md).
+- ``start_check.py``: the trainer's memory check at start-up (``system.memory_check``).
 """
