@@ -115,6 +115,10 @@ class DeepseekV41BackboneArgs:
     fake_quantize: bool = True
     """The released caches' FP8/FP4 rounding inside the forward (false: float throughout; a
     layout comparison's setting, docs/deepseek-v41.md 'Layouts')."""
+    moe_router_bias_update_rate: float = 0.0
+    """Auxiliary-loss-free load balancing: the router's correction bias moves by this much per
+    optimizer step against each expert's load (0: off, the bias as imported; DeepSeek-V3 used
+    1e-3; ``v41_load_balance``)."""
 
     def __post_init__(self) -> None:
         for name in ("compress_ratios", "kv_source_layer_ids", "index_source_layer_ids"):
@@ -166,6 +170,10 @@ class DeepseekV41BackboneArgs:
                 raise ConfigError(f"{name}={value!r} must be finite and positive.")
         if not (math.isfinite(self.swiglu_limit) and self.swiglu_limit >= 0):
             raise ConfigError(f"swiglu_limit={self.swiglu_limit!r} must be >= 0 (0: no clamp).")
+        rate = self.moe_router_bias_update_rate
+        if not (math.isfinite(rate) and rate >= 0):
+            raise ConfigError(f"moe_router_bias_update_rate={rate!r} must be finite and >= 0 "
+                              "(0: no load balancing; DeepSeek-V3 used 1e-3).")
         if not 0 <= self.attention_dropout < 1:
             raise ConfigError(f"attention_dropout={self.attention_dropout!r} must be in [0, 1).")
 

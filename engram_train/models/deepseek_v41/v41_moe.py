@@ -10,20 +10,23 @@ Per token x (``[tokens, hidden]``; any leading dims flatten into tokens)::
     expert(x, w) = w2((silu(min(x w1^T, L)) * clamp(x w3^T, -L, L)) * w)   # L = swiglu_limit
 
 The SwiGLU runs in float32 (the routing weight applied before ``w2``, in float32 too) and is
-rounded to the model dtype once before ``w2``; the routed outputs add up in float32 and are
-rounded once before the shared expert's output is added. Padding tokens (``valid`` False) take
-the shared expert only. The correction bias is a float32 buffer, not trained by gradient (an
-update rule from the expert loads belongs to the trainer; none is applied here).
+rounded to the model dtype once before ``w2``; the routed outputs add up in float32, each token's
+in ascending expert order, and are rounded once before the shared expert's output is added.
+Padding tokens (``valid`` False) take the shared expert only. The correction bias is a float32
+buffer that stays float32 under ``Float16Module`` (`DeepseekV41Router._apply`), not trained by
+gradient: with ``moe_router_bias_update_rate`` > 0 the router counts its experts' loads in
+training and ``after_optimizer_step`` nudges the bias by them (``v41_load_balance``).
 
+The routed experts run as one grouped computation (``v41_grouped_experts``): one sort of the
+routed pairs by expert, contiguous per-expert slices, one host read of the counts per layer.
 Parallelism: routed experts are stacked ``[experts, out, in]`` (``w1``, ``w3``, ``w2`` in
 ``nn.Linear`` orientation) so expert parallelism splits dim 0; the shared expert is megatron's
 column-parallel ``w1``/``w3`` and row-parallel ``w2``. Under expert parallelism (megatron's
 expert-model-parallel group) each rank holds ``experts / ep`` of them and an exact all-to-all
-dispatch sends each (token, choice) pair to its expert's rank and the float32 contributions
-back, each token's added in ascending expert order as in one process
-(`ExpertParallelDispatch`). The expert weights are
-megatron's expert parameters (``allreduce = False``: DDP reduces them over the expert
-data-parallel group) and their checkpoint tensors are sharded on the expert axis.
+dispatch sends each routed pair to its expert's rank in the model dtype and the outputs back
+(`ExpertParallelDispatch`). The expert weights are megatron's expert parameters
+(``allreduce = False``: DDP reduces them over the expert data-parallel group) and their
+checkpoint tensors are sharded on the expert axis.
 """
 
 from __future__ import annotations
@@ -38,44 +41,70 @@ from engram_train.models.deepseek_v41.v41_expert_parallel import (
     ExpertParallelDispatch,
     expert_sharded_state_dict,
 )
-
-
-def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    """``silu(min(gate, limit)) * clamp(up, -limit, limit)`` in float32 (limit 0: no clamp)."""
-    gate, up = gate.float(), up.float()
-    if limit > 0:
-        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
-    return F.silu(gate) * up
+from engram_train.models.deepseek_v41.v41_grouped_experts import (
+    clamped_swiglu,
+    combine,
+    grouped_swiglu,
+    route,
+)
+from engram_train.models.deepseek_v41.v41_load_balance import count_loads, update_expert_bias
 
 
 class DeepseekV41Router(nn.Module):
-    """Top-k expert choice and weights (module docstring); ``forward(x [tokens, hidden])`` ->
-    ``(weights [tokens, k] float32, indices [tokens, k])``."""
+    """Top-k expert choice and weights (module docstring); ``forward(x [tokens, hidden],
+    valid [tokens] or None)`` -> ``(weights [tokens, k] float32, indices [tokens, k])``."""
+
+    FLOAT32_BUFFERS = ("e_score_correction_bias", "local_tokens_per_expert")
 
     def __init__(self, args, device=None, dtype: torch.dtype | None = None):
         super().__init__()
         self.topk, self.scale = args.num_experts_per_tok, float(args.routed_scaling_factor)
         self.normalize = bool(args.norm_topk_prob)
+        self.bias_update_rate = float(args.moe_router_bias_update_rate)
         self.weight = nn.Parameter(torch.empty(args.n_routed_experts, args.hidden_size,
                                                device=device, dtype=dtype))
         self.register_buffer("e_score_correction_bias",
                              torch.zeros(args.n_routed_experts, device=device,
                                          dtype=torch.float32))
+        # routed (token, expert) pairs since the last bias update (training only, not saved)
+        self.register_buffer("local_tokens_per_expert",
+                             torch.zeros(args.n_routed_experts, device=device,
+                                         dtype=torch.float32), persistent=False)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _apply(self, fn, recurse=True):
+        """A cast (``Float16Module``'s ``bfloat16()``, ``.half()``, ``.to(dtype)``) leaves the
+        float32 buffers float32, their values untouched; a move takes them along (as NeMo
+        keeps the bias float32; megatron re-casts its expert bias to float32 each forward)."""
+        kept = {name: self._buffers[name] for name in self.FLOAT32_BUFFERS}
+        super()._apply(fn, recurse)
+        for name, before in kept.items():
+            after = self._buffers[name]
+            if after.dtype != torch.float32:
+                self._buffers[name] = before.to(device=after.device)
+        return self
+
+    def forward(self, x: torch.Tensor, valid: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         scores = torch.sqrt(F.softplus(F.linear(x.float(), self.weight.float())))
         indices = torch.topk(scores + self.e_score_correction_bias, self.topk, dim=-1)[1]
         weights = scores.gather(1, indices)
         if self.normalize and self.topk > 1:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        count_loads(self, indices, valid)
         return weights * self.scale, indices
+
+    @torch.no_grad()
+    def after_optimizer_step(self) -> None:
+        """The auxiliary-loss-free bias update of this step (``v41_load_balance``; nothing at
+        ``moe_router_bias_update_rate`` 0). The trainer calls it on every rank after each
+        optimizer step."""
+        update_expert_bias(self)
 
 
 class DeepseekV41Experts(nn.Module):
     """The routed experts, stacked: ``w1``/``w3`` ``[experts, inter, hidden]``, ``w2``
     ``[experts, hidden, inter]``, this rank's ``experts / ep`` of them under expert
-    parallelism (`ep_group`). A loop over the experts that got tokens (the CPU reference; a
-    grouped GEMM on GPUs)."""
+    parallelism (`ep_group`), run as one grouped computation (``v41_grouped_experts``)."""
 
     def __init__(self, args, device=None, dtype: torch.dtype | None = None, ep_group=None):
         super().__init__()
@@ -87,7 +116,7 @@ class DeepseekV41Experts(nn.Module):
         if e % ep:
             raise ConfigError(f"n_routed_experts={e} must be divisible by "
                               f"expert_model_parallel_size={ep}.")
-        self.num_local = e // ep
+        self.num_experts, self.num_local = e, e // ep
         self.first = self.dispatch.rank * self.num_local
         self.w1 = nn.Parameter(torch.empty(self.num_local, i, h, **factory))
         self.w3 = nn.Parameter(torch.empty(self.num_local, i, h, **factory))
@@ -104,32 +133,14 @@ class DeepseekV41Experts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
                 valid: torch.Tensor | None = None) -> torch.Tensor:
         """``x [tokens, hidden]``, the router's ``weights``/``indices`` ``[tokens, k]`` ->
-        ``[tokens, hidden]`` in x's dtype (accumulated in float32)."""
+        ``[tokens, hidden]`` in x's dtype (accumulated in float32). One sort of the routed
+        pairs by expert, one host read of the counts (``v41_grouped_experts``)."""
         chosen = indices if valid is None else indices.masked_fill(~valid.unsqueeze(-1), -1)
-        if self.dispatch.size == 1:
-            out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-            for expert in torch.unique(chosen[chosen >= 0]).tolist():
-                token, slot = torch.where(chosen == expert)
-                out.index_add_(0, token, self._expert(expert, x[token], weights[token, slot]))
-            return out.to(x.dtype)
-        rows, pair_weights, local, route = self.dispatch.send(x, weights, chosen, self.num_local)
-        results, served = [], []
-        for expert in torch.unique(local).tolist():
-            (pairs,) = torch.where(local == expert)
-            results.append(self._expert(expert, rows[pairs], pair_weights[pairs]))
-            served.append(pairs)
-        if results:  # every received pair has its expert here: back in received order
-            contributions = torch.cat(results)[torch.argsort(torch.cat(served))]
-        else:  # no pair: an empty float32 block that keeps the exchange in the backward
-            contributions = rows.float() * 0
-        return self.dispatch.combine(contributions, route, x.shape[0]).to(x.dtype)
-
-    def _expert(self, expert: int, xe: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """Local expert ``expert`` on rows ``xe`` scaled by their routing ``weight``:
-        float32 ``[rows, hidden]``."""
-        hidden = clamped_swiglu(xe @ self.w1[expert].t(), xe @ self.w3[expert].t(), self.limit)
-        hidden = (hidden * weight[:, None]).to(xe.dtype)
-        return (hidden @ self.w2[expert].t()).float()
+        transfer = self.dispatch.plan(route(chosen, self.num_experts), self.num_local)
+        rows, pair_weights = self.dispatch.send(x, weights, transfer)
+        contributions = grouped_swiglu(rows, pair_weights, self.w1, self.w3, self.w2,
+                                       transfer.local_counts, self.limit)
+        return combine(self.dispatch.receive(contributions, transfer), transfer.routing).to(x.dtype)
 
 
 class DeepseekV41SharedExpert(nn.Module):
@@ -188,6 +199,7 @@ class DeepseekV41MoE(nn.Module):
             raise InputError(f"valid must be a bool mask of shape {tuple(x.shape[:-1])}, got "
                              f"{tuple(valid.shape)} {valid.dtype}.")
         flat = x.reshape(-1, self.hidden_size)
-        weights, indices = self.gate(flat)
-        routed = self.experts(flat, weights, indices, None if valid is None else valid.reshape(-1))
+        valid = None if valid is None else valid.reshape(-1)
+        weights, indices = self.gate(flat, valid)
+        routed = self.experts(flat, weights, indices, valid)
         return (routed + self.shared_experts(flat)).view(x.shape)
