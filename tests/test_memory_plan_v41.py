@@ -98,7 +98,8 @@ def test_search_nodes_finds_the_smallest_count_for_a_smaller_model(one_rank):
 
 
 def test_v41_parameters_by_rank_share(one_rank):
-    """Experts split over EP x TP, the tables over the Engram eps, the indexer frozen."""
+    """Experts split over EP and replicated over TP (as the model places them), the tables
+    over the Engram eps, the indexer frozen."""
     from engram_train.memory_plan.model_bytes import stage_params
     from engram_train.memory_plan.plan_cli import make_plan
     from engram_train.training.param_count import compose_config
@@ -108,9 +109,9 @@ def test_v41_parameters_by_rank_share(one_rank):
                           "+model.engram_embedding_parallel_size=64", "train.global_batch_size=64"])
     cache: dict = {}
     plan = make_plan(cfg, 64, 8, 129280, "cuda", 141 * GIB, 2 << 40, cache=cache)
-    assert plan.layout.etp == 8 and plan.layout.table_shards == 64 and plan.layout.expert_dp == 1
+    assert plan.layout.etp == 1 and plan.layout.table_shards == 64 and plan.layout.expert_dp == 1
     sp = stage_params(cache["model"], cache["v41_config"], plan.layout)[0]
-    assert sp.params["routed_experts"] == ROUTED // 64
+    assert sp.params["routed_experts"] == ROUTED // 8
     assert sp.params["engram_tables"] == pytest.approx(196_613_849_600 / 64, rel=1e-6)
     assert sp.frozen > 0 and sp.fp32_kept > 0
 

@@ -8,7 +8,9 @@ indexer is frozen (no gradient, no optimizer state).
 
 How a rank shares them, as megatron would split V4.1 (where the trainer refuses a layout
 today, ``training/run_config.py``, the plan is still made and its ``notes`` quote the
-refusal): routed experts over EP x expert-TP; the query up-projection ``wq_b``, the sinks,
+refusal): routed experts over EP, replicated over TP as the model places them (expert-TP 1:
+the V4.1 MoE has no expert tensor parallelism; their optimizer state sharded over the expert
+data-parallel group of world / (EP x TP x PP) ranks, each TP rank a replica); the query up-projection ``wq_b``, the sinks,
 ``wo_a`` (per group of heads), ``wo_b``'s input and the shared expert over TP; the shared K=V head ``wkv``, the query down-projection, the compressor,
 the indexer, the router, norms and mHC mappings replicated; the tables over the Engram
 embedding-parallel size.
@@ -28,9 +30,12 @@ heads / TP, ``d`` head_dim, ``G`` o_groups / TP, ``f`` moe_intermediate_size, ``
   compressed branch adds its compressed keys ``4 d / r`` and, where it has a compressor, the
   compressor's float32 projections ``2 x 4 d`` (``wkv`` and ``wgate``);
 - MoE: norm in/out, the router's float32 logits, scores and probabilities ``3 x 4 E``, per
-  routed copy the dispatched input, its combine and unpermute ``3 a h_full`` and the clamped
-  SwiGLU (gate and up in ``a``, its float32 product and weight, the rounded input of ``w2``)
-  ``(3 a + 12) f / ETP``; the shared expert ``(3 a + 12) f / TP``;
+  routed copy what the grouped experts keep (``v41_grouped_experts``: the dispatched row
+  ``a h_full``, the gate and up GEMM outputs ``2 a f``, the float32 routing weight and the
+  int64 pair indices, ``ROUTED_PAIR_BYTES``; the rest recomputed in their backward), divided
+  by TP under sequence parallelism (each TP rank routes its own sequence slice to whole
+  experts); the shared expert's clamped SwiGLU (gate and up in ``a``, its float32 product,
+  the rounded input of ``w2``) ``(3 a + 12) f / TP``;
 - Engram (V4.1 branch): the gathered rows in the table dtype and as the float32 input of
   ``wkv`` (``(t + 4) M``, ``M`` = (N - 1) x the per-order width), the float32 keys and value
   ``4 (G_e + 1) h_full`` and the gate's float32 normalised keys and gated value
@@ -59,6 +64,9 @@ BF16_ATTENTION_D = 4  # per head_dim: the K=V RoPE's float32 input
 BF16_COMPRESSED_D = 12  # per head_dim, on a layer with a compressed branch
 BF16_SWIGLU_F = 7  # per intermediate unit of each SwiGLU (routed copy or shared expert)
 BF16_MOE_H = 6  # per hidden unit: the router's float32 input and the combine
+# Per routed copy besides its row and its SwiGLU's gate and up: the float32 routing weight and
+# the int64 pair indices the grouped experts keep (models/deepseek_v41/v41_grouped_experts.py).
+ROUTED_PAIR_BYTES = 4 + 3 * 8
 # Split over TP as megatron would split them (module docstring); the rest of a layer replicated.
 _TP_SPLIT = re.compile(r"\.attn\.(wq_b|wo_a|wo_b|attn_sink)\b|\.ffn\.shared_experts\.")
 
@@ -114,14 +122,20 @@ def attention_per_token(config, layer: int, h: int, h_full: int, tp: int, a: int
     return out
 
 
-def moe_per_token(config, h: int, h_full: int, tp: int, etp: int, a: int) -> int:
+def moe_per_token(config, h: int, h_full: int, tp: int, share: int, a: int) -> int:
     args = _args(config)
     f, k, e = args.moe_intermediate_size, args.num_experts_per_tok, args.n_routed_experts
     swiglu = 3 * a + 12 + (BF16_SWIGLU_F if a < 4 else 0)
-    routed = k * (3 * a * h_full + swiglu * f // etp)
+    routed = k * (a * h_full + 2 * a * f + ROUTED_PAIR_BYTES) // share  # `routed_token_share`
     shared = args.n_shared_experts * swiglu * f // tp
     extra = BF16_MOE_H * h_full if a < 4 else 0
     return a * (h + h_full) + 3 * 4 * e + routed + shared + extra
+
+
+def routed_token_share(layout) -> int:
+    """The TP ranks a token's routed copies are spread over: TP under sequence parallelism
+    (each rank routes its own slice of the sequence, experts whole), else 1."""
+    return layout.tp if layout.sequence_parallel else 1
 
 
 def engram_per_token(config, h_full: int) -> int:
@@ -141,7 +155,7 @@ def layer_per_token(config, layout, a: int, layer: int) -> dict[str, int]:
     h_full = config.hidden_size
     h = h_full // layout.tp if layout.sequence_parallel else h_full
     parts = {"attention": attention_per_token(config, layer, h, h_full, layout.tp, a),
-             "moe": moe_per_token(config, h, h_full, layout.tp, layout.etp, a),
+             "moe": moe_per_token(config, h, h_full, layout.tp, routed_token_share(layout), a),
              "mhc": mhc_per_token(config, h, a)}
     if config.use_engram and layer in config.engram_layer_ids:
         parts["engram"] = engram_per_token(config, h_full)
@@ -225,7 +239,9 @@ def with_recompute(cfg, config):
 
 def layout_sizes(cfg, config, layout):
     """``layout`` (made from the validated copy) with the sizes of ``cfg``: the Engram table
-    shards, and the experts' tensor-parallel size (megatron's default: TP)."""
+    shards, and the experts' tensor-parallel size: 1, the routed experts whole on every TP rank
+    (as ``DeepseekV41Experts`` places them; the expert data-parallel group still spans
+    world / (EP x TP x PP) ranks, as megatron's with expert-TP = TP)."""
     from dataclasses import replace
 
     from engram_train.training.run_config import parallel_sizes
@@ -234,5 +250,5 @@ def layout_sizes(cfg, config, layout):
     shards = 1
     if config.use_engram:
         shards = p.tensor if config.engram_embedding_parallel_method == "allreduce" else p.engram_embedding
-    return replace(layout, table_shards=shards, etp=p.tensor,
+    return replace(layout, table_shards=shards, etp=1,
                    expert_dp=layout.world // (p.expert * p.tensor * p.pipeline))

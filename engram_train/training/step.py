@@ -100,6 +100,17 @@ def run_forward_backward(
     )
 
 
+def after_optimizer_step(model: list[torch.nn.Module]) -> None:
+    """Every module's ``after_optimizer_step()``, once per step on every rank, in module
+    order (the same on every rank of a stage): a model's per-step update outside the
+    optimizer, such as DeepSeek-V4.1's expert-bias update (``models/deepseek_v41/v41_load_balance.py``)."""
+    for chunk in model:
+        for module in chunk.modules():
+            hook = getattr(module, "after_optimizer_step", None)
+            if callable(hook):
+                hook()
+
+
 def train_step(
     model: list[torch.nn.Module],
     optimizer,
@@ -122,6 +133,7 @@ def train_step(
 
         prioritize_next_step(model, optimizer, next_microbatches)
     success, grad_norm, num_zeros = optimizer.step()
+    after_optimizer_step(model)
     if success and lr_scheduler is not None:
         lr_scheduler.step(increment=len(microbatches) * micro_batch_size * parallel_state.get_data_parallel_world_size())
     lm_loss, num_tokens = reduce_lm_loss(losses) if parallel_state.is_pipeline_last_stage(ignore_virtual=True) else (None, 0)

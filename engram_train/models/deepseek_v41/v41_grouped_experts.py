@@ -48,19 +48,16 @@ class Routing:
     counts: torch.Tensor  # [experts] int64, on the device
     k: int
     pairs: int = -1  # routed pairs (known once the counts were read)
+    token: torch.Tensor | None = None  # [pairs] the token of each routed pair, in expert order
 
     def finish(self, pairs: int) -> None:
         self.pairs = pairs
+        self.token = torch.div(self.order[:pairs], self.k, rounding_mode="floor")
 
     @property
     def full(self) -> bool:
         """Every slot of every token routed (no masking to apply in the combine)."""
         return self.pairs == self.position.numel()
-
-    @property
-    def token(self) -> torch.Tensor:
-        """The token of each routed pair, ``[pairs]`` in expert order."""
-        return torch.div(self.order[: self.pairs], self.k, rounding_mode="floor")
 
     def pair_weights(self, weights: torch.Tensor) -> torch.Tensor:
         """The routing weight of each routed pair (``weights [tokens, k]``, differentiable)."""

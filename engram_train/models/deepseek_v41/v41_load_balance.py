@@ -48,12 +48,13 @@ def load_group():
 
 
 @torch.no_grad()
-def update_expert_bias(router, group=None) -> None:
-    """One step's update of ``router.e_score_correction_bias`` (module docstring)."""
+def update_expert_bias(router, reduce: bool = True) -> None:
+    """One step's update of ``router.e_score_correction_bias`` (module docstring); ``reduce``
+    False: from this rank's loads alone (a one-process reference)."""
     if not router.bias_update_rate > 0:
         return
     loads = router.local_tokens_per_expert
-    group = load_group() if group is None else group
+    group = load_group() if reduce else None
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(loads, group=group)
     offset = loads.sum() / loads.numel() - loads
