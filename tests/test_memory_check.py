@@ -170,9 +170,9 @@ def test_cuda_device_memory_is_checked_per_rank(caplog):
     plan = planned(cfg, device="cuda", device_memory=1 << 50)
     small = plan.device_bytes_per_rank // 2
     with pytest.raises(ConfigError, match=re.escape(
-            f"needs {gib(plan.device_bytes_per_rank)} of device memory per rank and cuda:0: "
-            f"given gives {gib(small)}")):
-        check(cfg, 1 << 50, caplog, device="cuda", device_memory=small, device_source="cuda:0: given")
+            f"needs {gib(plan.device_bytes_per_rank)} of device memory per rank and cuda:0 (given) "
+            f"has {gib(small)} for it")):
+        check(cfg, 1 << 50, caplog, device="cuda", device_memory=small, device_source="cuda:0 (given)")
 
 
 def test_a_wrong_mode_is_refused_naming_the_field():

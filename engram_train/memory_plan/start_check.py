@@ -136,7 +136,8 @@ def device_memory() -> tuple[int, str]:
 
     index = int(os.environ.get("LOCAL_RANK", "0"))
     free, total = torch.cuda.mem_get_info(index)
-    return min(total, free + CUDA_CONTEXT_BYTES), f"cuda:{index}: {_gib(free)} free of {_gib(total)}"
+    return (min(total, free + CUDA_CONTEXT_BYTES),
+            f"cuda:{index} ({_gib(free)} free of {_gib(total)}, + its CUDA context)")
 
 
 def this_machine(local_ranks: int) -> Machine:
@@ -210,8 +211,8 @@ def _figures(plan, machine: Machine, margin: bool = False) -> str:
     parts = []
     if plan.device != "cpu":
         parts.append(f"{_gib(plan.device_bytes_per_rank)} of device memory per rank"
-                     f"{raised(plan.device_bytes_per_rank)} and {machine.device_source} gives "
-                     f"{_gib(machine.device_memory)}")
+                     f"{raised(plan.device_bytes_per_rank)} and {machine.device_source} has "
+                     f"{_gib(machine.device_memory)} for it")
     parts.append(f"{_gib(plan.host_bytes_per_node)} of host memory per node ({_ranks(lay.nproc_per_node)} "
                  f"x {_gib(per_rank)} {what}){raised(plan.host_bytes_per_node)} and this "
                  f"host has {_gib(machine.host_memory)} for it ({machine.host_source})")

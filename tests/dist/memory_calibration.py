@@ -6,8 +6,9 @@ Without ``--baseline``: runs the trainer (``engram_train.train.run``) with the H
 and writes this rank's peak RSS (``getrusage``), its pipeline stage and its rank. With
 ``--baseline``: the fixed cost the plan adds to every rank, measured rather than guessed: the
 same process up to the model - the trainer's modules imported (torch, megatron-core, the data,
-metrics and checkpoint code), the config checked, the process groups built, the tokenizer
-loaded, the metrics writer and the plot imported - and no model, optimizer or batch.
+metrics and checkpoint code), the config checked, its memory plan made (the trainer's start-up
+check), the process groups built, the tokenizer loaded, the metrics writer and the plot
+imported - and no model, optimizer or batch.
 """
 
 import os
@@ -39,11 +40,12 @@ def main() -> None:
         import engram_train.training.resume  # noqa: F401
         import matplotlib.pyplot  # noqa: F401  (the loss plot at the end)
         from torch.utils.tensorboard import SummaryWriter  # noqa: F401  (the metrics writer)
+        from engram_train.memory_plan.start_check import check_memory
         from engram_train.runtime import initialize_distributed
         from engram_train.training.plan import check
         from engram_train.training.run_config import parallel_sizes
 
-        check(cfg)
+        check_memory(cfg, check(cfg).tokenizer.vocab_size)  # the trainer's start-up memory check
         initialize_distributed(parallel_sizes(cfg), seed=int(cfg.train.seed))
     else:
         from engram_train.train import run
