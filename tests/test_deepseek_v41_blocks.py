@@ -20,7 +20,7 @@ import v41_reference as ref
 from engram_train.errors import ConfigError, InputError
 from engram_train.models.deepseek_v41.v41_args import DeepseekV41BackboneArgs
 from engram_train.models.deepseek_v41.v41_attention import DeepseekV41Attention
-from engram_train.models.deepseek_v41.v41_csa import CSAState
+from engram_train.models.deepseek_v41.v41_csa import CSAState, candidate_mask
 from engram_train.models.deepseek_v41.v41_hyper_connection import collapse, first_pre
 from engram_train.models.deepseek_v41.v41_layer import DeepseekV41Layer
 from engram_train.models.deepseek_v41.v41_moe import DeepseekV41MoE
@@ -441,8 +441,14 @@ def test_attention_and_csa2_match_nemo(one_rank, nemo, case):
         else:
             assert torch.equal(seq_first(state.topk_indices), result["topk"][i]), i
             assert torch.equal(seq_first(state.compressed_kv), result["compressed_kv"][i]), i
-        if result["candidates"][i] is not None:
-            assert torch.equal(seq_first(state.candidates), result["candidates"][i]), i
+        if result["candidates"][i] is not None:  # ours: block ids; NeMo's: the keys' mask
+            width, s = state.compressed_kv.shape[0], x.shape[0]
+            keys = candidate_mask(state.candidates, width, ARGS.candidate_block_size)
+            visible = torch.arange(width) < ((torch.arange(s) + 1) // state.compression_ratio
+                                             ).view(-1, 1, 1)  # NeMo's mask is of these only
+            if state.compressed_valid is not None:
+                visible = visible & state.compressed_valid.t().unsqueeze(0)
+            assert torch.equal(seq_first(keys & visible), result["candidates"][i]), i
         loss = loss + (seq_first(out) * weights(result["outputs"][i].shape, 200 + i)).sum()
     assert (seq_first(state.topk_indices) >= 0).sum() > (seq_first(state.topk_indices) < 0).sum()
     loss.backward()

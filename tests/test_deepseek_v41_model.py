@@ -42,6 +42,12 @@ GRADIENT_TOLERANCE = 1e-5  # max abs over the gradient's max abs
 # follows NeMo's order (forward and stream gradients bitwise equal given the same inputs); NeMo
 # relabeled spreads 2.3e-5 and 2.9e-5 there (measured), ours 2.6e-5 and 1.8e-5 from NeMo
 SCALE_GRADIENT_TOLERANCE = 5e-5
+# The rest of a sublayer's mHC mapping (`fn`, `base`) and the Engram gate weights (`q_weight`,
+# `k_weight`: one scalar gate per token and stream) sum over every token in the same way: the
+# sparse attention against the dense one (the same model, exact to rounding: a float64 gradient
+# check passes) moves them by 1.4-3.2e-5 relative, every other gradient by at most 1e-5; so they
+# take NeMo's own spread too
+MHC_ILL_CONDITIONED = ("_hc.scale", "_hc.fn", "_hc.base", "engram.q_weight", "engram.k_weight")
 BATCH, SEQ = 2, 40
 ENGRAM_NAMES = {"embed.weight": "multi_head_embedding.weight", "wkv.weight": "wkv.weight",
                 "q_weight": "q_weight", "k_weight": "k_weight"}  # NeMo's -> ours
@@ -229,14 +235,16 @@ def test_model_matches_nemo(nemo, inputs, one_rank, engram):
         if p.grad is not None:
             nemo_name, transform = nemo_grad_name(name)
             grads.setdefault(nemo_name, []).append(transform(p.grad))
-    scales = {k: g for k, g in grads.items() if k.endswith("_hc.scale")}
+    scales = {k: g for k, g in grads.items() if k.endswith(MHC_ILL_CONDITIONED)}
     worst = assert_close_grads({k: g for k, g in grads.items() if k not in scales},
                                {k: g for k, g in nemo["grads"].items() if k not in scales},
                                GRADIENT_TOLERANCE)
     worst_scale = assert_close_grads(scales, {k: nemo["grads"][k] for k in scales},
                                      SCALE_GRADIENT_TOLERANCE)
     relabeled = nemo["relabeled"]  # NeMo against itself: the same forward bits
-    assert torch.equal(relabeled["logits"], nemo["logits"]) and relabeled["loss"] == nemo["loss"]
+    assert torch.equal(relabeled["logits"], nemo["logits"])
+    # the same logits; the loss sums them in the permuted vocabulary's order (last bits)
+    assert abs(relabeled["loss"] - nemo["loss"]) <= 1e-6
     spread = assert_close_grads({k: [relabeled["grads"][k]] for k in scales},
                                 {k: nemo["grads"][k] for k in scales}, float("inf"))
     print(f"gradients: worst relative error {worst:.2e} over {len(grads) - len(scales)} "

@@ -23,6 +23,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 SIDE = REPO / ".v41-ref"
@@ -47,9 +48,45 @@ def _owned(name: str) -> bool:
     return name.split(".", 1)[0] in _OWNED
 
 
+SELECTING_MODULE = "nemo_automodel.components.models.deepseek_v41.attention"
+"""The NeMo module whose top-k calls are CSA2 selections (its MoE router's are left alone)."""
+
+
+def _tie_defined_topk(original):
+    """``Tensor.topk`` with the project's tie rule (equal values: the lower index first) for
+    the calls NeMo's CSA2 selection makes (`SELECTING_MODULE`). There NeMo uses
+    ``torch.topk``, whose choice among equal scores depends on the width of the row (NeMo's
+    ``_select_packed`` says so); the tiny models' two index heads give many scores of exactly 0
+    (relu), so without a defined rule the two sides' selections differ where the reference's
+    own choice is arbitrary."""
+    from engram_train.models.deepseek_v41.v41_csa import ordered_top
+
+    def topk(values, k, dim=-1, largest=True, sorted=True, **kwargs):
+        if (sys._getframe(1).f_globals.get("__name__") != SELECTING_MODULE
+                or not values.is_floating_point() or not largest or kwargs
+                or dim not in (-1, values.ndim - 1)):
+            return original(values, k, dim, largest, sorted, **kwargs)
+        indices = ordered_top(values, k, sorted=sorted)
+        return torch.return_types.topk((values.gather(-1, indices), indices))
+
+    return topk
+
+
+@contextlib.contextmanager
+def tie_defined_topk():
+    """`_tie_defined_topk` in place of ``Tensor.topk`` for the duration."""
+    original = torch.Tensor.topk
+    torch.Tensor.topk = _tie_defined_topk(original)
+    try:
+        yield
+    finally:
+        torch.Tensor.topk = original
+
+
 @contextlib.contextmanager
 def side():
-    """The side folder's transformers and NeMo in ``sys.modules`` for the duration."""
+    """The side folder's transformers and NeMo in ``sys.modules`` for the duration, with the
+    ties of NeMo's CSA2 selections defined as the project defines them (`tie_defined_topk`)."""
     require()
     outer = {name: sys.modules.pop(name) for name in list(sys.modules) if _owned(name)}
     environ = dict(os.environ)
@@ -57,7 +94,7 @@ def side():
     sys.path.insert(0, str(SIDE))
     importlib.invalidate_caches()
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), tie_defined_topk():
             yield
     finally:
         sys.path.remove(str(SIDE))

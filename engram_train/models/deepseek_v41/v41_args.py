@@ -119,6 +119,10 @@ class DeepseekV41BackboneArgs:
     """Auxiliary-loss-free load balancing: the router's correction bias moves by this much per
     optimizer step against each expert's load (0: off, the bias as imported; DeepSeek-V3 used
     1e-3; ``v41_load_balance``)."""
+    attention_impl: str = "sparse"
+    """``sparse``: each query's window and selected keys in blocks of queries, memory linear in
+    the sequence (`v41_sparse_attention`); ``dense``: the ``[b, heads, s, s + t]`` reference
+    scores (the tests' oracle; needed for ``attention_dropout`` > 0)."""
 
     def __post_init__(self) -> None:
         for name in ("compress_ratios", "kv_source_layer_ids", "index_source_layer_ids"):
@@ -176,6 +180,13 @@ class DeepseekV41BackboneArgs:
                               "(0: no load balancing; DeepSeek-V3 used 1e-3).")
         if not 0 <= self.attention_dropout < 1:
             raise ConfigError(f"attention_dropout={self.attention_dropout!r} must be in [0, 1).")
+        if self.attention_impl not in ("sparse", "dense"):
+            raise ConfigError(f"attention_impl={self.attention_impl!r}: one of 'sparse' (linear "
+                              "in the sequence) or 'dense' (the reference scores).")
+        if self.attention_dropout and self.attention_impl == "sparse":
+            raise ConfigError(f"attention_dropout={self.attention_dropout} needs "
+                              "attention_impl=dense: the sparse attention has no dropout "
+                              "(V4.1 trains without: 0).")
 
     def _validate_schedule(self) -> None:
         n = self.num_hidden_layers

@@ -22,8 +22,13 @@ sinks and the output groups by rank, ``wo_b`` row-parallel, reduce-scattering to
 sequence slice); the input slice is gathered first, and ``wq_a``, ``wkv``, their norms, the
 compressor and the indexer are replicated on the whole sequence. The shared KV head (and the
 query latent) then take gradient from every rank's heads: the model marks these parameters
-``sequence_parallel``, so megatron sums their gradients over TP. The dense ``[b, H, s, keys]`` scores here are the CPU reference; a GPU run needs a
-sparse kernel over the window and the selected keys.
+``sequence_parallel``, so megatron sums their gradients over TP.
+
+The softmax over the keys runs in `v41_sparse_attention` (``attention_impl: sparse``, the
+default): blocks of queries against their window and their selected keys, memory linear in the
+sequence. ``attention_impl: dense`` builds the ``[b, H, s, s + t]`` scores (`_mask`,
+`_attend`): the oracle the tests hold the sparse path to, and the only path with attention
+dropout.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from engram_train.models.deepseek_v41.v41_csa import (
     DeepseekV41Indexer,
 )
 from engram_train.models.deepseek_v41.v41_hyper_connection import recomputed
+from engram_train.models.deepseek_v41.v41_sparse_attention import sparse_attention
 from engram_train.models.deepseek_v41.v41_primitives import (
     DeepseekV41RMSNorm,
     apply_rope,
@@ -141,6 +147,7 @@ class DeepseekV41Attention(nn.Module):
         self.num_heads, self.head_dim = args.num_attention_heads // tp, args.head_dim
         self.groups, self.window = args.o_groups // tp, args.sliding_window
         self.dropout = float(args.attention_dropout)
+        self.sparse = args.attention_impl == "sparse"
         std, factory = args.initializer_range, {"device": device, "dtype": dtype}
         column, row = parallel_linears(config, tp_group)
         self.wq_a = nn.Linear(args.hidden_size, args.q_lora_rank, bias=False, **factory)
@@ -204,6 +211,13 @@ class DeepseekV41Attention(nn.Module):
                            self.quantize)
         if self.ratio:
             state = self._compressed_state(x, query_latent, frequencies, angles, state, valid)
+        if self.sparse:  # keeps its inputs and one log-sum-exp per query: recomputes anyway
+            compressed = state.compressed_kv if self.ratio else None
+            attended = sparse_attention(query, kv, compressed,
+                                        state.topk_indices if self.ratio else None,
+                                        None if valid is None else valid.long(),
+                                        self.attn_sink, self.window, self.head_dim ** -0.5)
+            return self._output(attended, angles, valid), state
         mask = self._mask(s, b, x.device, state, valid)
         if self.ratio:
             kv = torch.cat((kv, state.compressed_kv), dim=0)

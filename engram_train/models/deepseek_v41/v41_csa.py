@@ -17,9 +17,13 @@ query's compressed keys, and the state a full layer hands to the layers after it
   never changes the one it got (the compressed KV keeps its graph to the full layer's weights).
 
 Sequence-first: hidden ``[s, b, h]``, keys ``[t, b, d]``, selection ``[s, b, k]`` (ascending
-key ids, -1 past the visible keys), candidates ``[s, b, t]``. Under tensor parallelism the
-compressor and the index keys are replicated; the index heads could split with a sum of the
-scores over the group before the top-k (not done: one process).
+key ids, then -1), candidates ``[s, b, candidate_topk_blocks]`` (block ids). The indexer
+scores queries in blocks, so its memory is linear in the sequence (its time is not: every
+query scores every compressed key it may see, ``s * t`` products, as DeepSeek's indexer does).
+Top-k choices break ties by the lower key id (`ordered_top`), never by the width of the score
+row: a prefix selects the same keys alone as inside a longer sequence. Under tensor
+parallelism the compressor and the index keys are replicated; the index heads could split with
+a sum of the scores over the group before the top-k (not done: one process).
 """
 
 from __future__ import annotations
@@ -39,6 +43,9 @@ from engram_train.models.deepseek_v41.v41_primitives import (
     fake_quantize,
 )
 
+INDEX_WORKING_SET_BYTES = 64 << 20
+"""The float32 ``[Q, b, index_heads, keys]`` products a block of indexer queries aims at."""
+
 
 @dataclass(frozen=True)
 class CSAState:
@@ -51,9 +58,11 @@ class CSAState:
     index_keys: torch.Tensor | None = None
     """``[t, b, index_head_dim]``: the indexer's keys, rotated and FP4-rounded."""
     topk_indices: torch.Tensor | None = None
-    """``[s, b, k]`` int64: each query's selected keys, ascending, -1 for none."""
+    """``[s, b, k]`` int64: each query's selected keys, ascending, then -1 for none."""
     candidates: torch.Tensor | None = None
-    """``[s, b, t]`` bool: keys inside the candidate source's blocks (None before it)."""
+    """``[s, b, candidate_topk_blocks]`` int64: the candidate source's blocks of
+    ``candidate_block_size`` keys for each query, ascending, then -1 (None before it;
+    `candidate_mask` gives the keys)."""
     compression_ratio: int = 0
 
     def replace(self, **fields) -> CSAState:
@@ -85,20 +94,51 @@ class DeepseekV41Compressor(nn.Module):
         return self.norm(pooled.to(hidden.dtype))
 
 
+def ordered_top(scores: torch.Tensor, k: int, sorted: bool = False) -> torch.Tensor:
+    """The indices of the `k` largest of `scores` ``[..., n]`` (float), ties to the lower index,
+    in no particular order. ``torch.topk`` breaks ties by where its algorithm happens to look,
+    which changes with ``n``: a query's selection (relu makes many index scores exactly 0) then
+    depended on how many compressed keys the whole sequence has, so appending tokens moved the
+    logits of earlier ones. Here each score becomes one int64 whose high half orders the floats
+    and whose low half prefers the lower index, so the choice depends on the scores alone.
+    `sorted`: best first (``torch.topk``'s order)."""
+    bits = (scores.float() + 0.0).view(torch.int32).to(torch.int64)  # + 0.0: -0.0 ties 0.0
+    ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # monotone in the float
+    index = torch.arange(scores.shape[-1], device=scores.device, dtype=torch.int64)
+    keys = ordered * (1 << 32) + ((1 << 32) - 1 - index)
+    return keys.topk(k, dim=-1, sorted=sorted).indices
+
+
+def ascending_picks(indices: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """`indices` where `keep`, ascending, then -1 for the rest (the selection's canonical form)."""
+    spare = torch.iinfo(torch.int64).max
+    ordered = torch.where(keep, indices, spare).sort(dim=-1).values
+    return ordered.masked_fill(ordered == spare, -1)
+
+
 def select_candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, topk_blocks: int,
                             block_size: int) -> torch.Tensor:
-    """``[..., t]`` bool: the keys of the `topk_blocks` blocks of `block_size` keys with the
-    best key score (-inf: not visible), the block of the newest visible key always in.
-    `visible` ``[..., 1]`` counts each query's visible keys."""
+    """``[..., topk_blocks]`` int64: the blocks of `block_size` keys with the best key score
+    (-inf: not visible), ascending, -1 for none; the block of the newest visible key is always
+    in. `visible` ``[..., 1]`` counts each query's visible keys; `scores` ``[..., n]`` may stop
+    at the last key any of these queries sees (the later blocks are invisible to them)."""
     width = scores.shape[-1]
     padded = F.pad(scores, (0, -width % block_size), value=-torch.inf)
     best = padded.unflatten(-1, (-1, block_size)).amax(dim=-1)
     newest = (visible - 1) // block_size
     blocks = torch.arange(best.shape[-1], device=scores.device)
     best = best.masked_fill(blocks == newest, torch.inf)
-    top = best.topk(min(topk_blocks, best.shape[-1]), dim=-1)
-    keep = torch.zeros_like(best, dtype=torch.bool).scatter(-1, top.indices,
-                                                            top.values > -torch.inf)
+    top = ordered_top(best, min(topk_blocks, best.shape[-1]))
+    picks = ascending_picks(top, best.gather(-1, top) > -torch.inf)
+    return F.pad(picks, (0, topk_blocks - picks.shape[-1]), value=-1)
+
+
+def candidate_mask(blocks: torch.Tensor, width: int, block_size: int) -> torch.Tensor:
+    """``[..., width]`` bool: the keys inside `blocks` ``[..., m]`` (block ids, -1 none)."""
+    count = -(-width // block_size)
+    spare = torch.where(blocks >= 0, blocks, count)
+    keep = torch.zeros(*blocks.shape[:-1], count + 1, dtype=torch.bool, device=blocks.device)
+    keep = keep.scatter(-1, spare, True)[..., :count]
     return keep.repeat_interleave(block_size, dim=-1)[..., :width]
 
 
@@ -128,21 +168,31 @@ class DeepseekV41Indexer(nn.Module):
         keys = apply_rope(self.k_norm(self.wk(latent)), angles)
         return fake_quantize(keys, "mxfp4", FP8_BLOCK, self.quantize)
 
-    def scores(self, hidden, query_latent, keys, angles, state) -> tuple[torch.Tensor, ...]:
-        """``[s, b, t]`` float scores (-inf: not visible), each query's visible-key count
-        ``[s, 1, 1]`` and the visibility ``[s, b, t]``."""
+    def queries(self, query_latent: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+        """The index queries ``[s, b, index_heads, index_head_dim]``, rotated and FP4-rounded."""
         queries = self.wq_b(query_latent).unflatten(-1, (self.num_heads, self.head_dim))
-        queries = fake_quantize(apply_rope(queries, angles), "mxfp4", FP8_BLOCK,
-                                self.quantize)
-        weights = self.weights_proj(hidden) * (self.head_dim ** -0.5 * self.num_heads ** -0.5)
-        scores = torch.einsum("sbhd,tbd->sbht", queries, keys)
-        scores = (scores.relu() * weights.unsqueeze(-1)).sum(dim=2)
-        positions = torch.arange(hidden.shape[0], device=hidden.device)
-        visible = ((positions + 1) // state.compression_ratio).view(-1, 1, 1)
-        allowed = torch.arange(keys.shape[0], device=hidden.device) < visible
+        return fake_quantize(apply_rope(queries, angles), "mxfp4", FP8_BLOCK, self.quantize)
+
+    def block_scores(self, queries, weights, keys, state, q0: int, q1: int) -> tuple:
+        """Queries ``q0..q1``'s float scores ``[Q, b, n]`` over the first ``n`` keys (those the
+        block's last query may see; -inf: not visible to that query), and each query's
+        visible-key count ``[Q, 1, 1]``."""
+        ratio = state.compression_ratio
+        n = min(keys.shape[0], q1 // ratio)
+        scores = torch.einsum("qbhd,nbd->qbhn", queries[q0:q1], keys[:n])
+        scores = (scores.relu() * weights[q0:q1].unsqueeze(-1)).sum(dim=2)
+        positions = torch.arange(q0, q1, device=keys.device)
+        visible = ((positions + 1) // ratio).view(-1, 1, 1)
+        allowed = torch.arange(n, device=keys.device) < visible
         if state.compressed_valid is not None:
-            allowed = allowed & state.compressed_valid.t().unsqueeze(0)
-        return scores.masked_fill(~allowed, -torch.inf), visible, allowed
+            allowed = allowed & state.compressed_valid[:n].t().unsqueeze(0)
+        return scores.masked_fill(~allowed, -torch.inf), visible
+
+    def query_block(self, batch: int, keys: int) -> int:
+        """Queries per block: the ``[Q, b, index_heads, keys]`` float32 products within
+        `INDEX_WORKING_SET_BYTES` (at least 1, at most 256)."""
+        per_query = 4 * max(1, batch * self.num_heads * keys)
+        return max(1, min(256, INDEX_WORKING_SET_BYTES // per_query))
 
     @torch.no_grad()
     def forward(self, hidden: torch.Tensor, query_latent: torch.Tensor,
@@ -150,7 +200,8 @@ class DeepseekV41Indexer(nn.Module):
                 compressed_angles: torch.Tensor, state: CSAState) -> CSAState:
         """The state with this layer's selection (and, on a full layer, its index keys; on
         the candidate source, the candidates). `hidden` ``[s, b, h]``, `query_latent` ``[s, b,
-        q_lora_rank]`` (q_norm's output), `latent` the full layer's unrotated compressed keys."""
+        q_lora_rank]`` (q_norm's output), `latent` the full layer's unrotated compressed keys.
+        Queries go in blocks (`query_block`): no ``[s, t]`` score tensor exists at once."""
         keys = state.index_keys
         if self.owns_keys:
             keys = self.keys(latent, compressed_angles)
@@ -158,22 +209,35 @@ class DeepseekV41Indexer(nn.Module):
             raise InputError("a reindex layer needs the index keys of a full layer before it "
                              "(pass the state the previous layer returned).")
         s, b = hidden.shape[:2]
-        if keys.shape[0] == 0:
-            empty = torch.empty(s, b, 0, dtype=torch.long, device=hidden.device)
-            candidates = (torch.empty(s, b, 0, dtype=torch.bool, device=hidden.device)
-                          if self.candidate_source else state.candidates)
-            return state.replace(index_keys=keys, topk_indices=empty, candidates=candidates)
-        scores, visible, allowed = self.scores(hidden, query_latent, keys, angles, state)
+        width = keys.shape[0]
+        k = min(self.topk, width)
+        picks = torch.full((s, b, k), -1, dtype=torch.long, device=hidden.device)
         candidates = state.candidates
         if self.candidate_source:
-            candidates = select_candidate_blocks(scores, visible, self.topk_blocks,
-                                                 self.block_size) & allowed
-        elif self.uses_candidates:
-            if candidates is None or candidates.shape != scores.shape:
-                raise InputError("an index layer after the candidate source needs its "
-                                 "candidates (pass the state the previous layer returned).")
-            scores = scores.masked_fill(~candidates, -torch.inf)
-        top = scores.topk(min(self.topk, keys.shape[0]), dim=-1, sorted=False)
-        indices = top.indices.sort(dim=-1).values
-        indices = torch.where(torch.isfinite(scores.gather(-1, indices)), indices, -1)
-        return state.replace(index_keys=keys, topk_indices=indices, candidates=candidates)
+            candidates = torch.full((s, b, self.topk_blocks), -1, dtype=torch.long,
+                                    device=hidden.device)
+        elif self.uses_candidates and width and (
+                candidates is None or candidates.shape[:2] != (s, b)):
+            raise InputError("an index layer after the candidate source needs its "
+                             "candidates (pass the state the previous layer returned).")
+        if width == 0:
+            return state.replace(index_keys=keys, topk_indices=picks, candidates=candidates)
+        queries = self.queries(query_latent, angles)
+        weights = self.weights_proj(hidden) * (self.head_dim ** -0.5 * self.num_heads ** -0.5)
+        block = self.query_block(b, width)
+        for q0 in range(0, s, block):
+            q1 = min(s, q0 + block)
+            scores, visible = self.block_scores(queries, weights, keys, state, q0, q1)
+            if scores.shape[-1] == 0:
+                continue
+            if self.candidate_source:
+                blocks = select_candidate_blocks(scores, visible, self.topk_blocks,
+                                                 self.block_size)
+                candidates[q0:q1] = blocks
+            elif self.uses_candidates:
+                inside = candidate_mask(candidates[q0:q1], scores.shape[-1], self.block_size)
+                scores = scores.masked_fill(~inside, -torch.inf)
+            top = ordered_top(scores, min(k, scores.shape[-1]))
+            chosen = ascending_picks(top, torch.isfinite(scores.gather(-1, top)))
+            picks[q0:q1, :, :chosen.shape[-1]] = chosen
+        return state.replace(index_keys=keys, topk_indices=picks, candidates=candidates)
