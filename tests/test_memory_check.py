@@ -161,6 +161,20 @@ def test_off_plans_nothing(caplog):
     assert said(caplog, logging.WARNING) == said(caplog, logging.INFO) == []
 
 
+def test_a_plan_that_fails_warns_and_lets_the_run_start(caplog, monkeypatch):
+    """The check guards the run; an error of the planner itself does not stop it."""
+    from engram_train.memory_plan import plan_cli
+
+    def broken(*args, **kwargs):
+        raise KeyError("an item the plan lacks")
+
+    monkeypatch.setattr(plan_cli, "make_plan", broken)
+    assert check(compose(), 1, caplog) is None
+    assert said(caplog, logging.WARNING) == [
+        "memory check skipped: the plan of this run failed (KeyError: 'an item the plan lacks'); "
+        "engram-plan with the same overrides shows it, system.memory_check=off skips it"]
+
+
 def test_cuda_device_memory_is_checked_per_rank(caplog):
     """On CUDA the device peak of a rank is compared with the rank's device memory; the
     refusal names that figure and where it came from."""
