@@ -118,8 +118,28 @@ def perturb(module, seed: int) -> None:
             b.copy_(0.3 * torch.randn(b.shape, generator=g))
 
 
-def nemo_attention_stack(valid, seq: int = SEQ):
-    """NeMo's attention for layers 0..7 chained, and the gradients of a fixed loss."""
+def packed_documents() -> torch.Tensor:
+    """[b, s] document ids: row 0 three documents starting at 0, 7 and 17 (not on ratio-2
+    runs' starts), row 1 two starting at 0 and 8, then right padding (0) from token 19."""
+    documents = torch.zeros(BATCH, SEQ, dtype=torch.long)
+    documents[0, :7], documents[0, 7:17], documents[0, 17:] = 1, 2, 3
+    documents[1, :8], documents[1, 8:19] = 1, 2
+    return documents
+
+
+def local_positions(documents: torch.Tensor) -> torch.Tensor:
+    """[b, s] positions inside each document (NeMo's packed ``position_ids``)."""
+    positions = torch.zeros_like(documents)
+    for row in range(documents.shape[0]):
+        for i in range(1, documents.shape[1]):
+            same = documents[row, i] == documents[row, i - 1]
+            positions[row, i] = positions[row, i - 1] + 1 if same else 0
+    return positions
+
+
+def nemo_attention_stack(valid, seq: int = SEQ, documents=None):
+    """NeMo's attention for layers 0..7 chained, and the gradients of a fixed loss; with
+    `documents`, packed (``packed_seq_ids``, document-local positions)."""
     from nemo_automodel.components.models.deepseek_v41.attention import (
         DeepseekV41Attention as NemoAttention,
         DeepseekV41AttentionState,
@@ -132,11 +152,13 @@ def nemo_attention_stack(valid, seq: int = SEQ):
         layer.reset_parameters(0.05)
         perturb(layer, i)
     inputs = [weights((BATCH, seq, HIDDEN), 100 + i).requires_grad_() for i in range(8)]
-    positions = torch.arange(seq).expand(BATCH, -1)
+    positions = (torch.arange(seq).expand(BATCH, -1) if documents is None
+                 else local_positions(documents))
     mask = None if valid is None else valid.long()
     state, outputs, states = DeepseekV41AttentionState(), [], []
     for layer, x in zip(layers, inputs):
-        out = layer(x, position_ids=positions, state=state, attention_mask=mask)
+        out = layer(x, position_ids=positions, state=state, attention_mask=mask,
+                    packed_seq_ids=documents)
         state = out.state
         outputs.append(out.hidden_states)
         states.append(state)
@@ -245,6 +267,8 @@ def nemo():
             "attention": nemo_attention_stack(None),
             "attention_padded": nemo_attention_stack(padding_mask()),
             "attention_odd": nemo_attention_stack(None, SEQ - 1),
+            "attention_packed": nemo_attention_stack(packed_documents() > 0,
+                                                     documents=packed_documents()),
             "moe": nemo_moe(None), "moe_padded": nemo_moe(padding_mask()),
             "layers": nemo_layer_stack(None), "layers_padded": nemo_layer_stack(padding_mask()),
             "mhc": nemo_hyper_connection(),
@@ -419,14 +443,20 @@ def test_schedules_the_blocks_cannot_run_are_refused(change, message):
 # --- the blocks ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case", ["attention", "attention_padded", "attention_odd"],
-                         ids=["full", "right_padding", "incomplete_last_run"])
+@pytest.mark.parametrize("case", ["attention", "attention_padded", "attention_odd",
+                                  "attention_packed"],
+                         ids=["full", "right_padding", "incomplete_last_run", "packed"])
 def test_attention_and_csa2_match_nemo(one_rank, nemo, case):
     """Eight layers, every CSA2 role, chained through the state: outputs, the selections and
     candidates, the compressed KV, and the gradients of the inputs and of every parameter;
-    with right padding, and with a sequence whose last ratio-2 run is incomplete."""
+    with right padding, with a sequence whose last ratio-2 run is incomplete, and packed
+    (documents starting off the runs' starts, and padding)."""
     result = nemo[case]
     valid = seq_first(padding_mask()) if case == "attention_padded" else None
+    documents = None
+    if case == "attention_packed":
+        documents = seq_first(packed_documents())
+        valid = documents > 0
     layers = [DeepseekV41Attention(ARGS, i, megatron_config()) for i in range(8)]
     assert [layer.role.kind for layer in layers] == KINDS
     for layer, state_dict in zip(layers, result["state_dicts"]):
@@ -434,7 +464,7 @@ def test_attention_and_csa2_match_nemo(one_rank, nemo, case):
     inputs = [seq_first(x).clone().requires_grad_() for x in result["inputs"]]
     state, loss = CSAState(), 0
     for i, (layer, x) in enumerate(zip(layers, inputs)):
-        out, state = layer(x, state, valid)
+        out, state = layer(x, state, valid, documents)
         assert max_error(seq_first(out), result["outputs"][i]) <= FORWARD_TOLERANCE, i
         if result["topk"][i] is None:
             assert state.topk_indices is None
@@ -448,6 +478,10 @@ def test_attention_and_csa2_match_nemo(one_rank, nemo, case):
                                              ).view(-1, 1, 1)  # NeMo's mask is of these only
             if state.compressed_valid is not None:
                 visible = visible & state.compressed_valid.t().unsqueeze(0)
+            if documents is not None:
+                query_doc = documents.unsqueeze(-1)
+                visible = visible & (query_doc == state.compressed_documents.t().unsqueeze(0))
+                visible = visible & (query_doc > 0)
             assert torch.equal(seq_first(keys & visible), result["candidates"][i]), i
         loss = loss + (seq_first(out) * weights(result["outputs"][i].shape, 200 + i)).sum()
     assert (seq_first(state.topk_indices) >= 0).sum() > (seq_first(state.topk_indices) < 0).sum()

@@ -95,7 +95,7 @@ def v41_preset_from_hf(doc: dict) -> dict:
         if text.get(field, want) != want:
             _refuse(field, text[field], why)
     backbone = {k: text[k] for k in V41_FIELDS
-                if k in text and k not in ("rope_scaling", "fake_quantize", "attention_impl")}
+                if k in text and k not in ("rope_scaling", "fake_quantize", "attention_impl", "document_eos_id")}
     backbone["rope_scaling"] = _rope_scaling(text)
     backbone["fake_quantize"] = True  # the released caches' rounding (false: layout checks)
     missing = sorted({"hidden_size", "num_hidden_layers", "moe_intermediate_size"} - set(backbone))
@@ -112,7 +112,8 @@ def v41_preset_from_hf(doc: dict) -> dict:
 
 def _text_fields(args) -> dict:
     fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(args)
-              if f.name not in ("rope_scaling", "fake_quantize", "attention_impl")}
+              if f.name not in ("rope_scaling", "fake_quantize", "attention_impl",
+                                "moe_router_bias_update_rate")}
     fields = {k: list(v) if isinstance(v, tuple) else v for k, v in fields.items()}
     rope = {"rope_type": "default", "rope_theta": float(args.rope_theta)}
     if args.rope_scaling is not None:

@@ -119,6 +119,10 @@ class DeepseekV41BackboneArgs:
     """Auxiliary-loss-free load balancing: the router's correction bias moves by this much per
     optimizer step against each expert's load (0: off, the bias as imported; DeepSeek-V3 used
     1e-3; ``v41_load_balance``)."""
+    document_eos_id: int | None = None
+    """Packed documents (NeMo's ``packed_seq_ids``, `v41_documents`): the raw token id that
+    ends a document in the trainer's EOS-delimited rows; attention, compression and selection
+    then stay inside documents and positions restart with each. None: a row is one document."""
     attention_impl: str = "sparse"
     """``sparse``: each query's window and selected keys in blocks of queries, memory linear in
     the sequence (`v41_sparse_attention`); ``dense``: the ``[b, heads, s, s + t]`` reference
@@ -180,6 +184,11 @@ class DeepseekV41BackboneArgs:
                               "(0: no load balancing; DeepSeek-V3 used 1e-3).")
         if not 0 <= self.attention_dropout < 1:
             raise ConfigError(f"attention_dropout={self.attention_dropout!r} must be in [0, 1).")
+        if self.document_eos_id is not None and (isinstance(self.document_eos_id, bool)
+                                                 or not isinstance(self.document_eos_id, int)
+                                                 or self.document_eos_id < 0):
+            raise ConfigError(f"document_eos_id={self.document_eos_id!r} must be the "
+                              "tokenizer's EOS id (an int >= 0) or null.")
         if self.attention_impl not in ("sparse", "dense"):
             raise ConfigError(f"attention_impl={self.attention_impl!r}: one of 'sparse' (linear "
                               "in the sequence) or 'dense' (the reference scores).")

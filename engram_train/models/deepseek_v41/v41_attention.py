@@ -45,6 +45,11 @@ from engram_train.models.deepseek_v41.v41_csa import (
     DeepseekV41Indexer,
 )
 from engram_train.models.deepseek_v41.v41_hyper_connection import recomputed
+from engram_train.models.deepseek_v41.v41_documents import (
+    local_positions,
+    run_documents,
+    segments,
+)
 from engram_train.models.deepseek_v41.v41_sparse_attention import sparse_attention
 from engram_train.models.deepseek_v41.v41_primitives import (
     DeepseekV41RMSNorm,
@@ -186,11 +191,12 @@ class DeepseekV41Attention(nn.Module):
         nn.init.zeros_(self.attn_sink)
 
     def forward(self, x: torch.Tensor, state: CSAState | None = None,
-                valid: torch.Tensor | None = None) -> tuple[torch.Tensor, CSAState]:
+                valid: torch.Tensor | None = None, documents: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, CSAState]:
+        """`valid` ``[s, b]`` bool (right padding) and `documents` ``[s, b]`` int (packed
+        documents, `v41_documents`) describe the whole sequence, also under tensor
+        parallelism (where `x` is this rank's slice)."""
         if self.tp > 1:  # this rank's sequence slice -> the whole sequence, for its heads
-            if valid is not None:
-                raise InputError("DeepSeek-V4.1 attention under tensor parallelism takes no "
-                                 "valid mask yet.")
             from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
             x = gather_from_sequence_parallel_region(x, True, self.tp_group)
@@ -200,9 +206,16 @@ class DeepseekV41Attention(nn.Module):
         if valid is not None and (valid.shape != (s, b) or valid.dtype != torch.bool):
             raise InputError(f"valid must be a bool [s, b] = [{s}, {b}] mask, got "
                              f"{tuple(valid.shape)} {valid.dtype}.")
+        if documents is not None and (documents.shape != (s, b)
+                                      or documents.is_floating_point()):
+            raise InputError(f"documents must be integer [s, b] = [{s}, {b}] document ids, "
+                             f"got {tuple(documents.shape)} {documents.dtype}.")
+        segment = segments(valid, documents)
         state = CSAState() if state is None else state
         frequencies = layer_frequencies(self.rope_args, bool(self.ratio), x.device)
-        angles = rope_angles(torch.arange(s, device=x.device), frequencies)
+        positions = (torch.arange(s, device=x.device) if documents is None
+                     else local_positions(segment))
+        angles = rope_angles(positions, frequencies)
         query_latent = self.q_norm(self.wq_a(x))
         heads = (self.wq_b(query_latent)[0] if self.tp == 1 else  # input already gathered
                  F.linear(query_latent, self.wq_b.weight))
@@ -210,29 +223,29 @@ class DeepseekV41Attention(nn.Module):
         kv = fake_quantize(apply_rope(self.kv_norm(self.wkv(x)), angles), "fp8", FP8_BLOCK,
                            self.quantize)
         if self.ratio:
-            state = self._compressed_state(x, query_latent, frequencies, angles, state, valid)
+            state = self._compressed_state(x, query_latent, frequencies, positions, angles,
+                                           state, valid, segment if documents is not None
+                                           else None)
         if self.sparse:  # keeps its inputs and one log-sum-exp per query: recomputes anyway
             compressed = state.compressed_kv if self.ratio else None
             attended = sparse_attention(query, kv, compressed,
-                                        state.topk_indices if self.ratio else None,
-                                        None if valid is None else valid.long(),
+                                        state.topk_indices if self.ratio else None, segment,
                                         self.attn_sink, self.window, self.head_dim ** -0.5)
             return self._output(attended, angles, valid), state
-        mask = self._mask(s, b, x.device, state, valid)
+        mask = self._mask(s, b, x.device, state, segment)
         if self.ratio:
             kv = torch.cat((kv, state.compressed_kv), dim=0)
         attended = (recomputed(self._attend, query, kv, mask) if self.recompute_core_attention
                     else self._attend(query, kv, mask))
         return self._output(attended, angles, valid), state
 
-    def _compressed_state(self, x, query_latent, frequencies, angles, state: CSAState,
-                          valid) -> CSAState:
+    def _compressed_state(self, x, query_latent, frequencies, positions, angles,
+                          state: CSAState, valid, documents) -> CSAState:
         """This layer's CSA2 state: a full layer's new compressed KV, an index layer's new
-        selection, or the state as given (reuse)."""
+        selection, or the state as given (reuse). `documents` ``[s, b]`` (padding 0) or None."""
         s, b = x.shape[:2]
         runs = s // self.ratio
-        compressed_angles = rope_angles(torch.arange(0, runs * self.ratio, self.ratio,
-                                                     device=x.device), frequencies)
+        compressed_angles = rope_angles(positions[: runs * self.ratio: self.ratio], frequencies)
         latent = None
         if self.compressor is not None:
             latent = self.compressor(x)
@@ -242,26 +255,35 @@ class DeepseekV41Attention(nn.Module):
             if valid is not None:
                 run_valid = valid[: runs * self.ratio].unflatten(0, (runs, self.ratio)).all(1)
             state = CSAState(compressed_kv=kv, compressed_valid=run_valid,
+                             compressed_documents=(None if documents is None else
+                                                   run_documents(documents, self.ratio, runs)),
                              compression_ratio=self.ratio, candidates=state.candidates)
         elif state.compressed_kv is None or state.compression_ratio != self.ratio:
             raise InputError(f"layer {self.layer_id} ({self.role.kind}, ratio {self.ratio}) "
                              "needs the compressed KV of a full layer of the same ratio: pass "
                              "the state the previous layer returned.")
+        if (documents is None) != (state.compressed_documents is None):
+            raise InputError(f"layer {self.layer_id}: the CSA2 state was made "
+                             f"{'without' if documents is not None else 'with'} packed "
+                             "documents; pass the same documents to every layer.")
         if self.indexer is not None:
-            state = self.indexer(x, query_latent, latent, angles, compressed_angles, state)
+            state = self.indexer(x, query_latent, latent, angles, compressed_angles, state,
+                                 documents)
         if state.topk_indices is None or state.topk_indices.shape[:2] != (s, b) \
                 or state.compressed_kv.shape[:2] != (runs, b):
             raise InputError(f"layer {self.layer_id}: the CSA2 state belongs to another batch "
                              "or sequence.")
         return state
 
-    def _mask(self, s: int, b: int, device, state: CSAState, valid) -> torch.Tensor:
-        """``[b, s, keys]`` bool: which window (and selected compressed) keys query i sees."""
+    def _mask(self, s: int, b: int, device, state: CSAState, documents) -> torch.Tensor:
+        """``[b, s, keys]`` bool: which window (and selected compressed) keys query i sees;
+        `documents` ``[s, b]`` (padding 0) or None."""
         positions = torch.arange(s, device=device)
         offset = positions.unsqueeze(1) - positions.unsqueeze(0)  # query - key
         window = ((offset >= 0) & (offset < self.window)).unsqueeze(0).expand(b, s, s)
-        if valid is not None:
-            window = window & valid.t().unsqueeze(1)
+        if documents is not None:
+            doc = documents.t()
+            window = window & (doc.unsqueeze(1) == doc.unsqueeze(2)) & (doc != 0).unsqueeze(1)
         if not self.ratio:
             return window
         width = state.compressed_kv.shape[0]

@@ -37,6 +37,7 @@ from torch import nn
 
 from engram_train.errors import InputError
 from engram_train.models.deepseek_v41.v41_args import FP8_BLOCK
+from engram_train.models.deepseek_v41.v41_documents import first_run
 from engram_train.models.deepseek_v41.v41_primitives import (
     DeepseekV41RMSNorm,
     apply_rope,
@@ -55,14 +56,18 @@ class CSAState:
     """``[t, b, head_dim]``: the compressed keys (= values), rotated and FP4-rounded."""
     compressed_valid: torch.Tensor | None = None
     """``[t, b]`` bool: every token of the key's run is a real (not padding) token."""
+    compressed_documents: torch.Tensor | None = None
+    """``[t, b]`` int64: the document of each run's first token, with packed documents
+    (`v41_documents`); None for a row that is one document."""
     index_keys: torch.Tensor | None = None
     """``[t, b, index_head_dim]``: the indexer's keys, rotated and FP4-rounded."""
     topk_indices: torch.Tensor | None = None
     """``[s, b, k]`` int64: each query's selected keys, ascending, then -1 for none."""
     candidates: torch.Tensor | None = None
-    """``[s, b, candidate_topk_blocks]`` int64: the candidate source's blocks of
-    ``candidate_block_size`` keys for each query, ascending, then -1 (None before it;
-    `candidate_mask` gives the keys)."""
+    """``[s, b, candidate_topk_blocks]`` int64: the first key of each of the candidate
+    source's blocks of ``candidate_block_size`` keys for each query, ascending, then -1 (None
+    before it; `candidate_mask` gives the keys). Blocks start at the query's document's first
+    key."""
     compression_ratio: int = 0
 
     def replace(self, **fields) -> CSAState:
@@ -133,13 +138,13 @@ def select_candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, topk_bl
     return F.pad(picks, (0, topk_blocks - picks.shape[-1]), value=-1)
 
 
-def candidate_mask(blocks: torch.Tensor, width: int, block_size: int) -> torch.Tensor:
-    """``[..., width]`` bool: the keys inside `blocks` ``[..., m]`` (block ids, -1 none)."""
-    count = -(-width // block_size)
-    spare = torch.where(blocks >= 0, blocks, count)
-    keep = torch.zeros(*blocks.shape[:-1], count + 1, dtype=torch.bool, device=blocks.device)
-    keep = keep.scatter(-1, spare, True)[..., :count]
-    return keep.repeat_interleave(block_size, dim=-1)[..., :width]
+def candidate_mask(starts: torch.Tensor, width: int, block_size: int) -> torch.Tensor:
+    """``[..., width]`` bool: the keys inside the blocks that begin at `starts` ``[..., m]``
+    (first keys, -1 none)."""
+    keys = starts.unsqueeze(-1) + torch.arange(block_size, device=starts.device)
+    keys = torch.where((starts >= 0).unsqueeze(-1) & (keys < width), keys, width).flatten(-2)
+    keep = torch.zeros(*starts.shape[:-1], width + 1, dtype=torch.bool, device=starts.device)
+    return keep.scatter(-1, keys, True)[..., :width]
 
 
 class DeepseekV41Indexer(nn.Module):
@@ -173,10 +178,11 @@ class DeepseekV41Indexer(nn.Module):
         queries = self.wq_b(query_latent).unflatten(-1, (self.num_heads, self.head_dim))
         return fake_quantize(apply_rope(queries, angles), "mxfp4", FP8_BLOCK, self.quantize)
 
-    def block_scores(self, queries, weights, keys, state, q0: int, q1: int) -> tuple:
+    def block_scores(self, queries, weights, keys, state, q0: int, q1: int,
+                     documents=None) -> tuple:
         """Queries ``q0..q1``'s float scores ``[Q, b, n]`` over the first ``n`` keys (those the
-        block's last query may see; -inf: not visible to that query), and each query's
-        visible-key count ``[Q, 1, 1]``."""
+        block's last query may see; -inf: not visible to that query: later, padded or of
+        another document), and each query's visible-key count ``[Q, 1, 1]``."""
         ratio = state.compression_ratio
         n = min(keys.shape[0], q1 // ratio)
         scores = torch.einsum("qbhd,nbd->qbhn", queries[q0:q1], keys[:n])
@@ -186,7 +192,27 @@ class DeepseekV41Indexer(nn.Module):
         allowed = torch.arange(n, device=keys.device) < visible
         if state.compressed_valid is not None:
             allowed = allowed & state.compressed_valid[:n].t().unsqueeze(0)
+        if documents is not None:
+            query_doc = documents[q0:q1].unsqueeze(-1)  # [Q, b, 1]
+            allowed = allowed & (query_doc == state.compressed_documents[:n].t().unsqueeze(0))
+            allowed = allowed & (query_doc > 0)
         return scores.masked_fill(~allowed, -torch.inf), visible
+
+    def candidate_starts(self, scores: torch.Tensor, visible: torch.Tensor,
+                         firsts: torch.Tensor | None) -> torch.Tensor:
+        """``[Q, b, candidate_topk_blocks]``: the first keys of the query's candidate blocks.
+        Blocks start at the query's document's first key `firsts` ``[Q, b]`` (0 without
+        documents), as NeMo forms them over each document's own keys."""
+        if firsts is None:
+            blocks = select_candidate_blocks(scores, visible, self.topk_blocks, self.block_size)
+            return torch.where(blocks >= 0, blocks * self.block_size, -1)
+        width = scores.shape[-1]
+        shifted = firsts.unsqueeze(-1) + torch.arange(width, device=scores.device)
+        local = scores.gather(-1, shifted.clamp_max(width - 1)).masked_fill(shifted >= width,
+                                                                            -torch.inf)
+        seen = torch.isfinite(local).sum(dim=-1, keepdim=True)
+        blocks = select_candidate_blocks(local, seen, self.topk_blocks, self.block_size)
+        return torch.where(blocks >= 0, firsts.unsqueeze(-1) + blocks * self.block_size, -1)
 
     def query_block(self, batch: int, keys: int) -> int:
         """Queries per block: the ``[Q, b, index_heads, keys]`` float32 products within
@@ -197,10 +223,12 @@ class DeepseekV41Indexer(nn.Module):
     @torch.no_grad()
     def forward(self, hidden: torch.Tensor, query_latent: torch.Tensor,
                 latent: torch.Tensor | None, angles: torch.Tensor,
-                compressed_angles: torch.Tensor, state: CSAState) -> CSAState:
+                compressed_angles: torch.Tensor, state: CSAState,
+                documents: torch.Tensor | None = None) -> CSAState:
         """The state with this layer's selection (and, on a full layer, its index keys; on
         the candidate source, the candidates). `hidden` ``[s, b, h]``, `query_latent` ``[s, b,
-        q_lora_rank]`` (q_norm's output), `latent` the full layer's unrotated compressed keys.
+        q_lora_rank]`` (q_norm's output), `latent` the full layer's unrotated compressed keys,
+        `documents` ``[s, b]`` packed document ids (padding 0) or None.
         Queries go in blocks (`query_block`): no ``[s, t]`` score tensor exists at once."""
         keys = state.index_keys
         if self.owns_keys:
@@ -225,15 +253,16 @@ class DeepseekV41Indexer(nn.Module):
         queries = self.queries(query_latent, angles)
         weights = self.weights_proj(hidden) * (self.head_dim ** -0.5 * self.num_heads ** -0.5)
         block = self.query_block(b, width)
+        firsts = None if documents is None else first_run(documents, state.compression_ratio)
         for q0 in range(0, s, block):
             q1 = min(s, q0 + block)
-            scores, visible = self.block_scores(queries, weights, keys, state, q0, q1)
+            scores, visible = self.block_scores(queries, weights, keys, state, q0, q1,
+                                                documents)
             if scores.shape[-1] == 0:
                 continue
             if self.candidate_source:
-                blocks = select_candidate_blocks(scores, visible, self.topk_blocks,
-                                                 self.block_size)
-                candidates[q0:q1] = blocks
+                candidates[q0:q1] = self.candidate_starts(
+                    scores, visible, None if firsts is None else firsts[q0:q1])
             elif self.uses_candidates:
                 inside = candidate_mask(candidates[q0:q1], scores.shape[-1], self.block_size)
                 scores = scores.masked_fill(~inside, -torch.inf)

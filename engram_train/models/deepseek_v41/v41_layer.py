@@ -59,10 +59,12 @@ class DeepseekV41Layer(nn.Module):
         self.ffn = DeepseekV41MoE(args, config, tp_group, **factory)
 
     def forward(self, streams: torch.Tensor, pre: torch.Tensor, state: CSAState | None = None,
-                valid: torch.Tensor | None = None, hash_ids: torch.Tensor | None = None
+                valid: torch.Tensor | None = None, hash_ids: torch.Tensor | None = None,
+                documents: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, CSAState]:
         """`streams` ``[s, b, n, h]``, `pre` float32 ``[s, b, n]``, `valid` optional bool
-        ``[s, b]`` (right padding), `hash_ids` ``[s, b, K]`` on an Engram layer."""
+        ``[s, b]`` (right padding), `hash_ids` ``[s, b, K]`` on an Engram layer, `documents`
+        optional ``[s, b]`` packed document ids of the whole sequence (`v41_documents`)."""
         if pre.dtype != torch.float32 or pre.shape != streams.shape[:-1]:
             raise InputError(f"pre must be float32 {tuple(streams.shape[:-1])}, got "
                              f"{pre.dtype} {tuple(pre.shape)}.")
@@ -71,7 +73,8 @@ class DeepseekV41Layer(nn.Module):
                 raise InputError(f"layer {self.layer_id} has an Engram branch: pass its hash_ids.")
             streams = streams + self.engram(streams, hash_ids, token_mask=valid)
         mix = self.attn_hc(streams)
-        attended, state = self.attn(self.attn_norm(collapse(streams, pre)), state, valid)
+        attended, state = self.attn(self.attn_norm(collapse(streams, pre)), state, valid,
+                                    documents)
         streams = expand(attended, streams, mix)
         pre = mix.pre
         mix = self.ffn_hc(streams)

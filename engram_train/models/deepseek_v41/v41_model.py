@@ -49,6 +49,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from engram_train.config import uses_engram
+from engram_train.engram.v41_ngram_hash import document_ids
 from engram_train.errors import ConfigError, InputError
 from engram_train.models.deepseek_v41.v41_csa import CSAState
 from engram_train.models.deepseek_v41.v41_hyper_connection import collapse, first_pre
@@ -190,7 +191,11 @@ class DeepseekV41GPTModel(LanguageModule):
             pre, state = first_pre(streams), CSAState()
         else:
             streams, pre, state = unpack_boundary(self.input_tensor)
-        streams, pre, state = self._layers_forward(streams, pre, state, engram_hash_ids)
+        documents = None
+        if self.args.document_eos_id is not None:  # packed documents (v41_documents)
+            documents = document_ids(input_ids, self.args.document_eos_id).t()
+        streams, pre, state = self._layers_forward(streams, pre, state, engram_hash_ids,
+                                                   documents)
         if not self.post_process:
             return pack_boundary(streams, pre, state, self.args.hidden_size)
         hidden = self.final_norm(collapse(streams, pre))
@@ -199,13 +204,14 @@ class DeepseekV41GPTModel(LanguageModule):
             return logits.transpose(0, 1).contiguous()
         return self.compute_language_model_loss(labels, logits)
 
-    def _layers_forward(self, streams, pre, state, engram_hash_ids):
+    def _layers_forward(self, streams, pre, state, engram_hash_ids, documents=None):
         """This stage's layers; under ``recompute_granularity=full`` the chunks of
         `full_recompute_chunks` keep only their inputs and run again in the backward."""
         layers = list(self.layers)
         hash_ids = [self._layer_hash_ids(engram_hash_ids, layer) for layer in layers]
         for start, stop, recompute in full_recompute_chunks(self.config, len(layers)):
-            run = functools.partial(_run_layers, layers[start:stop], hash_ids[start:stop])
+            run = functools.partial(_run_layers, layers[start:stop], hash_ids[start:stop],
+                                    documents)
             if recompute and torch.is_grad_enabled():
                 streams, pre, state = checkpoint(run, streams, pre, state, use_reentrant=False)
             else:
@@ -213,9 +219,9 @@ class DeepseekV41GPTModel(LanguageModule):
         return streams, pre, state
 
 
-def _run_layers(layers, hash_ids, streams, pre, state):
+def _run_layers(layers, hash_ids, documents, streams, pre, state):
     for layer, ids in zip(layers, hash_ids):
-        streams, pre, state = layer(streams, pre, state, hash_ids=ids)
+        streams, pre, state = layer(streams, pre, state, hash_ids=ids, documents=documents)
     return streams, pre, state
 
 

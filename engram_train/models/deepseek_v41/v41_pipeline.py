@@ -29,7 +29,8 @@ from megatron.core import parallel_state
 from engram_train.errors import ConfigError, InputError
 from engram_train.models.deepseek_v41.v41_csa import CSAState
 
-STATE_SLOTS = ("compressed_kv", "compressed_valid", "index_keys", "topk_indices", "candidates")
+STATE_SLOTS = ("compressed_kv", "compressed_valid", "compressed_documents", "index_keys",
+               "topk_indices", "candidates")
 SLOTS = ("streams", "pre", *STATE_SLOTS)
 """What the boundary carries, in order: the streams ``[s, b, n h]``, ``pre`` ``[s, b, n]``, and
 the `CSAState` fields (those not None)."""
@@ -109,7 +110,8 @@ def unpack_boundary(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, C
         rows_view = next(taken).reshape(b, int(rows), int(width)).transpose(0, 1)
         kind = _DTYPES[int(dtype)]
         value = rows_view != 0 if kind == torch.bool else rows_view.to(kind)
-        values[name] = value.squeeze(-1) if name == "compressed_valid" else value
+        values[name] = (value.squeeze(-1) if name in ("compressed_valid", "compressed_documents")
+                        else value)
     pre = values.pop("pre")
     streams = values.pop("streams").unflatten(-1, (pre.shape[-1], -1))
     return streams, pre, CSAState(**values, compression_ratio=int(header[1]))

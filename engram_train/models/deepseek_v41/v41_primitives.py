@@ -65,19 +65,21 @@ def layer_frequencies(args, compressed: bool, device=None) -> torch.Tensor:
 
 
 def rope_angles(positions: torch.Tensor, frequencies: torch.Tensor) -> torch.Tensor:
-    """``[s, pairs]`` float32 angles of integer `positions` ``[s]``."""
+    """``[..., pairs]`` float32 angles of integer `positions` ``[...]`` (``[s]`` or ``[s, b]``)."""
     return positions.float().unsqueeze(-1) * frequencies
 
 
 def apply_rope(x: torch.Tensor, angles: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """Rotate the last ``2 * pairs`` channels of `x` ``[s, b, (heads,) d]`` in adjacent pairs
-    (channel 2i with 2i+1, as one complex number) by `angles` ``[s, pairs]``; `inverse` rotates
+    (channel 2i with 2i+1, as one complex number) by `angles` ``[s, pairs]`` (or ``[s, b,
+    pairs]``: a position per row, as packed documents have); `inverse` rotates
     back. Computed as a complex product in float32 (the released rounding), returned in x's
     dtype; the leading channels pass through."""
     rope_dim = 2 * angles.shape[-1]
     pairs = torch.view_as_complex(x[..., -rope_dim:].float().unflatten(-1, (-1, 2)).contiguous())
     rotation = torch.polar(torch.ones_like(angles), angles)
-    rotation = rotation.view(angles.shape[0], *([1] * (x.ndim - 2)), angles.shape[-1])
+    lead = angles.shape[:-1]  # [s] or, with per-row positions (packed documents), [s, b]
+    rotation = rotation.view(*lead, *([1] * (x.ndim - 1 - len(lead))), angles.shape[-1])
     if inverse:
         rotation = rotation.conj()
     rotated = torch.view_as_real(pairs * rotation).flatten(-2).to(x.dtype)
