@@ -203,9 +203,10 @@ def stage_activations(config, layout: Layout, stage: int, layers: list[int], a: 
     items = {k: int(v * scale) for k, v in items.items()}
     one_layer = max((sum(p.values()) for p in per_layer), default=0) * t
     items["backward_working_set"] = one_layer * (2 if full else 1)
-    if v41:
-        indexer = (v41_plan.indexer_transient(config, layout, i) for i in layers)
-        items["backward_working_set"] += max(indexer, default=0)
+    if v41:  # the indexer's and the sparse attention's blocks, one layer at a time
+        transients = (v41_plan.indexer_transient(config, layout, i)
+                      + v41_plan.attention_transient(config, layout, i, a) for i in layers)
+        items["backward_working_set"] += max(transients, default=0)
     scores = 0 if v41 else attention_scores_per_layer(config, layout, a, device)
     if scores:  # one layer's float32 score transients (plus its saved ones under full recompute)
         items["attention_score_transients"] = int(scores * (SCORE_TRANSIENTS + (1 if full else 0)))
@@ -232,8 +233,6 @@ def _scores(config, layout: Layout, a: int, device: str, layers: list[int]) -> i
     """Unfused attention scores the stage's layers keep (the CPU's attention only)."""
     if not v41_plan.is_v41(config):
         return attention_scores_per_layer(config, layout, a, device) * len(layers)
-    if device != "cpu":
-        return 0
     return sum(v41_plan.cpu_scores_per_layer(config, layout, i) for i in layers)
 
 

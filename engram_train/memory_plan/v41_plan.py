@@ -67,6 +67,7 @@ BF16_MOE_H = 6  # per hidden unit: the router's float32 input and the combine
 # Per routed copy besides its row and its SwiGLU's gate and up: the float32 routing weight and
 # the int64 pair indices the grouped experts keep (models/deepseek_v41/v41_grouped_experts.py).
 ROUTED_PAIR_BYTES = 4 + 3 * 8
+SELECTION_BYTES = 8  # per selected compressed key of a token: the int64 selection
 # Split over TP as megatron would split them (module docstring); the rest of a layer replicated.
 _TP_SPLIT = re.compile(r"\.attn\.(wq_b|wo_a|wo_b|attn_sink)\b|\.ffn\.shared_experts\.")
 
@@ -106,19 +107,32 @@ def _args(config):
     return config.deepseek_v41
 
 
-def attention_per_token(config, layer: int, h: int, h_full: int, tp: int, a: int) -> int:
+def sparse(config) -> bool:
+    """The attention runs `v41_sparse_attention` (else the dense reference scores)."""
+    return _args(config).attention_impl == "sparse"
+
+
+def attention_per_token(config, layer: int, h: int, h_full: int, tp: int, a: int,
+                        seq_length: int | None = None) -> int:
     args = _args(config)
     heads, d = args.num_attention_heads // tp, args.head_dim
     groups = max(args.o_groups // tp, 1)
-    out = a * (h + h_full) + 2 * a * args.q_lora_rank + 4 * heads * d + 4 * d + 2 * a * d
+    # the query and K=V the core reads: as they are (sparse) or as float32 copies (dense)
+    core = a if sparse(config) else 4
+    out = a * (h + h_full) + 2 * a * args.q_lora_rank + core * heads * d + core * d + 2 * a * d
     out += a * (heads * d + groups * args.o_lora_rank) + 4 * heads
     ratio = args.compress_ratios[layer]
+    # the sparse core keeps the compressed keys as the full layer made them (one tensor for
+    # every layer that reads them); the dense one concatenates a float32 copy per layer
+    own_keys = ratio and (layer in args.kv_source_layer_ids or not sparse(config))
     if ratio:
-        out += 4 * d // ratio
+        out += core * d // ratio if own_keys else 0
         if layer in args.kv_source_layer_ids:
             out += 2 * 4 * d
+        if layer in args.index_source_layer_ids:  # the int64 selection the core keeps
+            out += SELECTION_BYTES * min(args.index_topk, layout_keys(args, ratio, seq_length))
     if a < 4:  # float32 copies a float32 forward does not make (measured, module docstring)
-        out += BF16_ATTENTION_HD * heads * d + BF16_ATTENTION_D * d + (BF16_COMPRESSED_D * d if ratio else 0)
+        out += BF16_ATTENTION_HD * heads * d + BF16_ATTENTION_D * d + (BF16_COMPRESSED_D * d if own_keys else 0)
     return out
 
 
@@ -154,7 +168,8 @@ def layer_per_token(config, layout, a: int, layer: int) -> dict[str, int]:
     """Bytes per token of V4.1 layer ``layer`` on one rank, by part."""
     h_full = config.hidden_size
     h = h_full // layout.tp if layout.sequence_parallel else h_full
-    parts = {"attention": attention_per_token(config, layer, h, h_full, layout.tp, a),
+    parts = {"attention": attention_per_token(config, layer, h, h_full, layout.tp, a,
+                                              layout.seq_length),
              "moe": moe_per_token(config, h, h_full, layout.tp, routed_token_share(layout), a),
              "mhc": mhc_per_token(config, h, a)}
     if config.use_engram and layer in config.engram_layer_ids:
@@ -163,23 +178,58 @@ def layer_per_token(config, layout, a: int, layer: int) -> dict[str, int]:
 
 
 def indexer_transient(config, layout, layer: int) -> int:
-    """The frozen indexer's float32 scores while layer ``layer`` runs (nothing kept)."""
+    """The frozen indexer's working set while layer ``layer`` runs (nothing kept): a block of
+    queries' float32 products ``[Q, b, index heads, t]`` (the einsum, its relu and the
+    weighted copy) and the block's scores, their int64 sort keys and visibility ``[Q, b, t]``
+    (`v41_csa.DeepseekV41Indexer.query_block`); the index heads are replicated over TP."""
+    from engram_train.models.deepseek_v41.v41_csa import INDEX_WORKING_SET_BYTES
+
     args = _args(config)
     ratio = args.compress_ratios[layer]
     if not ratio or layer not in args.index_source_layer_ids:
         return 0
-    s = layout.seq_length // layout.cp
-    heads = max(args.index_n_heads // layout.tp, 1)
-    return layout.micro_batch_size * heads * s * (layout.seq_length // ratio) * 4
+    b, t = layout.micro_batch_size, layout.seq_length // ratio
+    per_query = 4 * b * args.index_n_heads * t
+    queries = max(1, min(256, INDEX_WORKING_SET_BYTES // max(per_query, 1), layout.seq_length))
+    return queries * (3 * per_query + b * t * (4 + 8 + 1 + 4))
+
+
+def attention_transient(config, layout, layer: int, a: int) -> int:
+    """The sparse attention's backward working set of layer ``layer`` (nothing kept): the
+    float32 gradients of the query, the K=V and the compressed keys for the whole sequence,
+    their casts to the model dtype, and one block of queries' scores, probabilities and their
+    gradients ``[b, H, Q, Q + window + k]`` with the gathered keys and their gradients
+    (`v41_sparse_attention.query_block`)."""
+    from engram_train.models.deepseek_v41.v41_sparse_attention import query_block
+
+    if not sparse(config):
+        return 0
+    args = _args(config)
+    ratio = args.compress_ratios[layer]
+    b, s = layout.micro_batch_size, layout.seq_length
+    heads, d, window = args.num_attention_heads // layout.tp, args.head_dim, args.sliding_window
+    k = min(args.index_topk, layout_keys(args, ratio, s)) if ratio else 0
+    block = query_block(b, heads, window, k, s)
+    whole = b * s * (heads * d + d + (d // ratio if ratio else 0)) * (4 + (a if a < 4 else 0))
+    return whole + 5 * 4 * b * heads * block * (block + window + k) + 2 * 4 * b * block * k * d
 
 
 def cpu_scores_per_layer(config, layout, layer: int) -> int:
-    """The reference attention's float32 logits and probabilities ``[b, H, s, s + s / r]``."""
+    """The dense reference attention's float32 logits and probabilities ``[b, H, s, s + s /
+    r]`` (``attention_impl: dense``, on any device; 0 for the sparse attention)."""
+    if sparse(config):
+        return 0
     args = _args(config)
     ratio = args.compress_ratios[layer]
     keys = layout.seq_length + (layout.seq_length // ratio if ratio else 0)
     heads = args.num_attention_heads // layout.tp
     return 2 * layout.micro_batch_size * heads * (layout.seq_length // layout.cp) * keys * 4
+
+
+def layout_keys(args, ratio: int, seq_length: int | None = None) -> int:
+    """Compressed keys of a sequence (``index_topk`` when the length is not known: the
+    selection is at most that wide)."""
+    return args.index_topk if seq_length is None else seq_length // ratio
 
 
 def logits_bytes_per_entry(a: int) -> int:
