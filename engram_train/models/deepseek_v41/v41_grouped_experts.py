@@ -170,7 +170,7 @@ class _SlicedExperts(torch.autograd.Function):
                 d_gate = d_gate.masked_fill_(gate[part].float() > limit, 0)
             d_up, d_gate = d_up.to(dtype), d_gate.to(dtype)
             torch.mm(d_gate, w1[e], out=grad_rows[part])
-            grad_rows[part].addmm_(d_up, w3[e])
+            grad_rows[part] += d_up @ w3[e]  # two rounded GEMMs added, as autograd adds them
             if grads[0] is not None:
                 torch.mm(d_gate.t(), rows[part], out=grads[0][e])
                 torch.mm(d_up.t(), rows[part], out=grads[1][e])
