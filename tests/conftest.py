@@ -26,6 +26,7 @@ if _WORKERS > 1:
 # checkpoints (with adding/removing Engram and damaged files), the trainer, the patch registry). CI runs the full suite on one megatron-core
 # lane and these on the other: `make test MEGATRON=0.19 PYTEST_ARGS="-m every_lane"`.
 EVERY_LANE = {
+    "test_v41_context_parallel.py",
     "test_engram_integration.py",
     "test_reference_parity.py",
     "test_embedding_parallel.py",

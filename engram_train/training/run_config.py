@@ -176,28 +176,28 @@ def _check_pipeline(cfg, p: ParallelSizes, dp: int) -> None:
 
 
 def _check_model_family_layout(cfg, p: ParallelSizes) -> None:
-    """DeepSeek-V4.1 runs data-, tensor- (with sequence parallelism), expert-, pipeline- and
-    Engram-embedding-parallel, with or without recompute (docs/deepseek-v41.md 'Layouts'); not
-    context-parallel (its CSA2 compressed runs and its sliding window would need the keys of
-    the other ranks' chunks) nor on a virtual pipeline (tried: megatron's interleaved schedule
-    stalled with the per-message boundary shapes of ``models/deepseek_v41/v41_pipeline.py``)."""
+    """DeepSeek-V4.1 runs data-, tensor- (with sequence parallelism), context- (zigzag chunks
+    of whole compressed runs, ``models/deepseek_v41/v41_context_parallel.py``), expert-,
+    pipeline- and Engram-embedding-parallel, with or without recompute (docs/deepseek-v41.md
+    'Layouts'); not on a virtual pipeline (tried: megatron's interleaved schedule stalled with
+    the per-message boundary shapes of ``models/deepseek_v41/v41_pipeline.py``)."""
     if preset_family(cfg.model) != DEEPSEEK_V41:
         return
-    wider = [f"system.context_parallel_size={p.context}"] if p.context > 1 else []
-    if p.virtual_pipeline is not None:
-        wider.append(f"system.virtual_pipeline_model_parallel_size={p.virtual_pipeline}")
     if cfg.data.reset_position_ids:
         raise ConfigError(
             "data.reset_position_ids=true with model_family=deepseek_v41: its positions are the "
             "token's index in the row (the window and CSA2 give its mask); set it to false")
-    if wider:
+    if p.virtual_pipeline is not None:
         raise ConfigError(
-            f"{', '.join(wider)} with model_family=deepseek_v41: V4.1 trains data-, tensor- "
-            "(with sequence parallelism), expert-, pipeline- and Engram-embedding-parallel, "
-            "not context-parallel (its CSA2 compressed runs and sliding window are not split "
-            "over context-parallel ranks) nor on a virtual pipeline (megatron's interleaved "
-            "schedule with its stage boundary is not supported); set them to 1 / null "
-            "(docs/deepseek-v41.md 'Layouts')")
+            f"system.virtual_pipeline_model_parallel_size={p.virtual_pipeline} with "
+            "model_family=deepseek_v41: megatron's interleaved schedule with its stage boundary "
+            "is not supported; set it to null (docs/deepseek-v41.md 'Layouts')")
+    unit = 2 * p.context * max([1, *cfg.model.get("compress_ratios", [1])])
+    if p.context > 1 and cfg.train.seq_length % unit:
+        raise ConfigError(
+            f"train.seq_length={cfg.train.seq_length} with system.context_parallel_size="
+            f"{p.context}: each rank's two chunks must hold whole compressed runs; use a "
+            f"multiple of 2 x CP x the largest compress_ratio = {unit}")
 
 
 def _check_tensor_and_expert_parallel(cfg, p: ParallelSizes) -> None:

@@ -45,6 +45,7 @@ from engram_train.models.deepseek_v41.v41_csa import (
     DeepseekV41Indexer,
 )
 from engram_train.models.deepseek_v41.v41_hyper_connection import recomputed
+from engram_train.models.deepseek_v41.v41_context_parallel import context_share
 from engram_train.models.deepseek_v41.v41_documents import (
     local_positions,
     run_documents,
@@ -195,7 +196,8 @@ class DeepseekV41Attention(nn.Module):
                 ) -> tuple[torch.Tensor, CSAState]:
         """`valid` ``[s, b]`` bool (right padding) and `documents` ``[s, b]`` int (packed
         documents, `v41_documents`) describe the whole sequence, also under tensor
-        parallelism (where `x` is this rank's slice)."""
+        parallelism (where `x` is this rank's slice) and context parallelism (where the rank
+        holds its zigzag share, `v41_context_parallel`; no padding mask there)."""
         if self.tp > 1:  # this rank's sequence slice -> the whole sequence, for its heads
             from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
@@ -203,18 +205,25 @@ class DeepseekV41Attention(nn.Module):
         s, b = x.shape[:2]
         if s == 0:
             raise InputError("DeepSeek-V4.1 attention needs a non-empty sequence.")
+        share = context_share(s, x.device)
+        length = s if share is None else share.length
+        if share is not None and (valid is not None or not self.sparse):
+            raise InputError("DeepSeek-V4.1 under context parallelism runs the sparse "
+                             "attention (attention_impl: sparse) without a padding mask.")
         if valid is not None and (valid.shape != (s, b) or valid.dtype != torch.bool):
             raise InputError(f"valid must be a bool [s, b] = [{s}, {b}] mask, got "
                              f"{tuple(valid.shape)} {valid.dtype}.")
-        if documents is not None and (documents.shape != (s, b)
+        if documents is not None and (documents.shape != (length, b)
                                       or documents.is_floating_point()):
-            raise InputError(f"documents must be integer [s, b] = [{s}, {b}] document ids, "
-                             f"got {tuple(documents.shape)} {documents.dtype}.")
-        segment = segments(valid, documents)
+            raise InputError(f"documents must be integer [s, b] = [{length}, {b}] document ids "
+                             f"of the whole sequence, got {tuple(documents.shape)} "
+                             f"{documents.dtype}.")
+        segment = segments(valid, documents)  # [length, b], or None
         state = CSAState() if state is None else state
         frequencies = layer_frequencies(self.rope_args, bool(self.ratio), x.device)
-        positions = (torch.arange(s, device=x.device) if documents is None
-                     else local_positions(segment))
+        positions = torch.arange(s, device=x.device) if share is None else share.positions
+        if documents is not None:  # document-local positions of this rank's tokens
+            positions = local_positions(segment).index_select(0, positions)
         angles = rope_angles(positions, frequencies)
         query_latent = self.q_norm(self.wq_a(x))
         heads = (self.wq_b(query_latent)[0] if self.tp == 1 else  # input already gathered
@@ -222,15 +231,14 @@ class DeepseekV41Attention(nn.Module):
         query = apply_rope(heads.unflatten(-1, (self.num_heads, -1)), angles)
         kv = fake_quantize(apply_rope(self.kv_norm(self.wkv(x)), angles), "fp8", FP8_BLOCK,
                            self.quantize)
+        if share is not None:
+            kv = share.gather(kv)  # the whole sequence's window keys
         if self.ratio:
             state = self._compressed_state(x, query_latent, frequencies, positions, angles,
                                            state, valid, segment if documents is not None
-                                           else None)
+                                           else None, share)
         if self.sparse:  # keeps its inputs and one log-sum-exp per query: recomputes anyway
-            compressed = state.compressed_kv if self.ratio else None
-            attended = sparse_attention(query, kv, compressed,
-                                        state.topk_indices if self.ratio else None, segment,
-                                        self.attn_sink, self.window, self.head_dim ** -0.5)
+            attended = self._sparse(query, kv, state, segment, share)
             return self._output(attended, angles, valid), state
         mask = self._mask(s, b, x.device, state, segment)
         if self.ratio:
@@ -239,11 +247,31 @@ class DeepseekV41Attention(nn.Module):
                     else self._attend(query, kv, mask))
         return self._output(attended, angles, valid), state
 
+    def _sparse(self, query, kv, state: CSAState, segment, share) -> torch.Tensor:
+        """`v41_sparse_attention` over this rank's queries: all of them, or under context
+        parallelism each of its two pieces against the whole sequence's keys."""
+        compressed = state.compressed_kv if self.ratio else None
+        indices = state.topk_indices if self.ratio else None
+
+        def attend(start: int, stop: int, offset: int) -> torch.Tensor:
+            return sparse_attention(query[start:stop], kv, compressed,
+                                    None if indices is None else indices[start:stop], segment,
+                                    self.attn_sink, self.window, self.head_dim ** -0.5, offset)
+
+        if share is None:
+            return attend(0, query.shape[0], 0)
+        return torch.cat([attend(start, start + n, offset)
+                          for start, offset, n in share.pieces()], dim=0)
+
     def _compressed_state(self, x, query_latent, frequencies, positions, angles,
-                          state: CSAState, valid, documents) -> CSAState:
+                          state: CSAState, valid, documents, share=None) -> CSAState:
         """This layer's CSA2 state: a full layer's new compressed KV, an index layer's new
-        selection, or the state as given (reuse). `documents` ``[s, b]`` (padding 0) or None."""
+        selection, or the state as given (reuse). `documents` ``[length, b]`` (padding 0) or
+        None; `share` this rank's context-parallel share (None: the whole sequence)."""
         s, b = x.shape[:2]
+        length = s if share is None else share.length
+        if share is not None:
+            share.check_runs(self.ratio)
         runs = s // self.ratio
         compressed_angles = rope_angles(positions[: runs * self.ratio: self.ratio], frequencies)
         latent = None
@@ -251,12 +279,14 @@ class DeepseekV41Attention(nn.Module):
             latent = self.compressor(x)
             kv = fake_quantize(apply_rope(latent, compressed_angles), "nvfp4", NVFP4_BLOCK,
                                self.quantize)
+            if share is not None:
+                kv = share.gather_runs(kv, self.ratio)
             run_valid = None
             if valid is not None:
                 run_valid = valid[: runs * self.ratio].unflatten(0, (runs, self.ratio)).all(1)
             state = CSAState(compressed_kv=kv, compressed_valid=run_valid,
-                             compressed_documents=(None if documents is None else
-                                                   run_documents(documents, self.ratio, runs)),
+                             compressed_documents=(None if documents is None else run_documents(
+                                 documents, self.ratio, length // self.ratio)),
                              compression_ratio=self.ratio, candidates=state.candidates)
         elif state.compressed_kv is None or state.compression_ratio != self.ratio:
             raise InputError(f"layer {self.layer_id} ({self.role.kind}, ratio {self.ratio}) "
@@ -268,9 +298,9 @@ class DeepseekV41Attention(nn.Module):
                              "documents; pass the same documents to every layer.")
         if self.indexer is not None:
             state = self.indexer(x, query_latent, latent, angles, compressed_angles, state,
-                                 documents)
+                                 documents, share)
         if state.topk_indices is None or state.topk_indices.shape[:2] != (s, b) \
-                or state.compressed_kv.shape[:2] != (runs, b):
+                or state.compressed_kv.shape[:2] != (length // self.ratio, b):
             raise InputError(f"layer {self.layer_id}: the CSA2 state belongs to another batch "
                              "or sequence.")
         return state

@@ -179,15 +179,19 @@ class DeepseekV41Indexer(nn.Module):
         return fake_quantize(apply_rope(queries, angles), "mxfp4", FP8_BLOCK, self.quantize)
 
     def block_scores(self, queries, weights, keys, state, q0: int, q1: int,
-                     documents=None) -> tuple:
+                     documents=None, positions=None, last: int | None = None) -> tuple:
         """Queries ``q0..q1``'s float scores ``[Q, b, n]`` over the first ``n`` keys (those the
-        block's last query may see; -inf: not visible to that query: later, padded or of
-        another document), and each query's visible-key count ``[Q, 1, 1]``."""
+        block's last query, at position `last`, may see; -inf: not visible to that query:
+        later, padded or of another document), and each query's visible-key count ``[Q, 1,
+        1]``. `positions` ``[s]``: the queries' positions (None: ``0..s-1``); `documents`
+        ``[s, b]`` the queries' documents."""
         ratio = state.compression_ratio
-        n = min(keys.shape[0], q1 // ratio)
+        last = q1 - 1 if last is None else last
+        n = min(keys.shape[0], (last + 1) // ratio)
         scores = torch.einsum("qbhd,nbd->qbhn", queries[q0:q1], keys[:n])
         scores = (scores.relu() * weights[q0:q1].unsqueeze(-1)).sum(dim=2)
-        positions = torch.arange(q0, q1, device=keys.device)
+        positions = (torch.arange(q0, q1, device=keys.device) if positions is None
+                     else positions[q0:q1])
         visible = ((positions + 1) // ratio).view(-1, 1, 1)
         allowed = torch.arange(n, device=keys.device) < visible
         if state.compressed_valid is not None:
@@ -224,15 +228,19 @@ class DeepseekV41Indexer(nn.Module):
     def forward(self, hidden: torch.Tensor, query_latent: torch.Tensor,
                 latent: torch.Tensor | None, angles: torch.Tensor,
                 compressed_angles: torch.Tensor, state: CSAState,
-                documents: torch.Tensor | None = None) -> CSAState:
+                documents: torch.Tensor | None = None, share=None) -> CSAState:
         """The state with this layer's selection (and, on a full layer, its index keys; on
         the candidate source, the candidates). `hidden` ``[s, b, h]``, `query_latent` ``[s, b,
         q_lora_rank]`` (q_norm's output), `latent` the full layer's unrotated compressed keys,
-        `documents` ``[s, b]`` packed document ids (padding 0) or None.
-        Queries go in blocks (`query_block`): no ``[s, t]`` score tensor exists at once."""
+        `documents` ``[length, b]`` packed document ids of the whole sequence (padding 0) or
+        None, `share` the rank's context-parallel share (`v41_context_parallel`; None: the
+        queries are the whole sequence). Queries go in blocks (`query_block`): no ``[s, t]``
+        score tensor exists at once."""
         keys = state.index_keys
         if self.owns_keys:
             keys = self.keys(latent, compressed_angles)
+            if share is not None:
+                keys = share.gather_runs(keys, state.compression_ratio)
         if keys is None:
             raise InputError("a reindex layer needs the index keys of a full layer before it "
                              "(pass the state the previous layer returned).")
@@ -253,11 +261,19 @@ class DeepseekV41Indexer(nn.Module):
         queries = self.queries(query_latent, angles)
         weights = self.weights_proj(hidden) * (self.head_dim ** -0.5 * self.num_heads ** -0.5)
         block = self.query_block(b, width)
-        firsts = None if documents is None else first_run(documents, state.compression_ratio)
+        positions = None if share is None else share.positions
+        firsts = None
+        if documents is not None:
+            firsts = first_run(documents, state.compression_ratio)
+            if share is not None:  # the queries' own documents and first keys
+                documents = documents.index_select(0, positions)
+                firsts = firsts.index_select(0, positions)
         for q0 in range(0, s, block):
             q1 = min(s, q0 + block)
+            last = None if share is None else max(share.position_of(q0),
+                                                  share.position_of(q1 - 1))
             scores, visible = self.block_scores(queries, weights, keys, state, q0, q1,
-                                                documents)
+                                                documents, positions, last)
             if scores.shape[-1] == 0:
                 continue
             if self.candidate_source:

@@ -51,6 +51,7 @@ from torch.utils.checkpoint import checkpoint
 from engram_train.config import uses_engram
 from engram_train.engram.v41_ngram_hash import document_ids
 from engram_train.errors import ConfigError, InputError
+from engram_train.models.deepseek_v41.v41_context_parallel import context_share, whole_sequence_ids
 from engram_train.models.deepseek_v41.v41_csa import CSAState
 from engram_train.models.deepseek_v41.v41_hyper_connection import collapse, first_pre
 from engram_train.models.deepseek_v41.v41_config import selective_recompute
@@ -193,7 +194,9 @@ class DeepseekV41GPTModel(LanguageModule):
             streams, pre, state = unpack_boundary(self.input_tensor)
         documents = None
         if self.args.document_eos_id is not None:  # packed documents (v41_documents)
-            documents = document_ids(input_ids, self.args.document_eos_id).t()
+            share = context_share(input_ids.shape[1], input_ids.device)
+            whole = input_ids if share is None else whole_sequence_ids(input_ids, share)
+            documents = document_ids(whole, self.args.document_eos_id).t()
         streams, pre, state = self._layers_forward(streams, pre, state, engram_hash_ids,
                                                    documents)
         if not self.post_process:

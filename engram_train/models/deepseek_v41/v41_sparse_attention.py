@@ -50,8 +50,8 @@ def query_block(batch: int, heads: int, window: int, selected: int, length: int)
 
 def _window_mask(q0: int, q1: int, lo: int, window: int, documents: torch.Tensor | None,
                  device) -> torch.Tensor:
-    """``[b or 1, Q, n]`` bool: query ``q0 + a`` sees key ``lo + c`` (same document, not padding,
-    inside the window)."""
+    """``[b or 1, Q, n]`` bool: the query at position ``q0 + a`` sees the key at ``lo + c``
+    (same document, not padding, inside the window); positions are the keys' (global)."""
     offset = (torch.arange(q0, q1, device=device).unsqueeze(1)
               - torch.arange(lo, q1, device=device).unsqueeze(0))
     mask = ((offset >= 0) & (offset < window)).unsqueeze(0)
@@ -70,14 +70,15 @@ def _accumulation(query: torch.Tensor) -> torch.dtype:
 class _Block:
     """One block's keys, masks and float32 scores (shared by the forward and the backward)."""
 
-    def __init__(self, query, kv, compressed, indices, documents, sink, window, scale, q0, q1):
+    def __init__(self, query, kv, compressed, indices, documents, sink, window, scale, q0, q1,
+                 offset=0):
         acc = sink.dtype  # float32 (float64 for a gradient check)
-        self.q0, self.q1 = q0, q1
-        self.lo = max(0, q0 - window + 1)
+        p0, p1 = q0 + offset, q1 + offset  # the queries' positions among the keys
+        self.lo, self.hi = max(0, p0 - window + 1), p1
         self.query = query[q0:q1].to(acc)  # [Q, b, H, d]
-        self.keys = kv[self.lo:q1].to(acc).transpose(0, 1)  # [b, n, d]
+        self.keys = kv[self.lo:p1].to(acc).transpose(0, 1)  # [b, n, d]
         logits = torch.einsum("qbhd,bnd->bhqn", self.query, self.keys) * scale
-        mask = _window_mask(q0, q1, self.lo, window, documents, query.device)
+        mask = _window_mask(p0, p1, self.lo, window, documents, query.device)
         logits = logits.masked_fill(~mask.unsqueeze(1), -torch.inf)
         self.selected = None
         if compressed is not None:
@@ -110,7 +111,7 @@ class SparseAttention(torch.autograd.Function):
     docstring)."""
 
     @staticmethod
-    def forward(ctx, query, kv, compressed, indices, documents, sink, window, scale):
+    def forward(ctx, query, kv, compressed, indices, documents, sink, window, scale, offset):
         s, b, heads = query.shape[:3]
         acc = _accumulation(query)
         compressed_f = None if compressed is None else compressed.to(acc).transpose(0, 1)
@@ -122,20 +123,20 @@ class SparseAttention(torch.autograd.Function):
         for q0 in range(0, s, block):
             q1 = min(s, q0 + block)
             part = _Block(query, kv, compressed_f, indices, documents, sink_f, window, scale,
-                          q0, q1)
+                          q0, q1, offset)
             top = torch.maximum(part.logits.amax(dim=-1), part.sink)
             total = (torch.exp(part.logits - top.unsqueeze(-1)).sum(dim=-1)
                      + torch.exp(part.sink - top))
             lse[:, :, q0:q1] = top + torch.log(total)
             out[q0:q1] = part.attend(part.probabilities(lse[:, :, q0:q1])).to(query.dtype)
         ctx.save_for_backward(query, kv, compressed, indices, documents, sink, lse)
-        ctx.window, ctx.scale, ctx.block = window, scale, block
+        ctx.window, ctx.scale, ctx.block, ctx.offset = window, scale, block, offset
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         query, kv, compressed, indices, documents, sink, lse = ctx.saved_tensors
-        window, scale, block = ctx.window, ctx.scale, ctx.block
+        window, scale, block, offset = ctx.window, ctx.scale, ctx.block, ctx.offset
         s = query.shape[0]
         acc = _accumulation(query)
         compressed_f = None if compressed is None else compressed.to(acc).transpose(0, 1)
@@ -147,7 +148,7 @@ class SparseAttention(torch.autograd.Function):
         for q0 in range(0, s, block):
             q1 = min(s, q0 + block)
             part = _Block(query, kv, compressed_f, indices, documents, sink_f, window, scale,
-                          q0, q1)
+                          q0, q1, offset)
             block_lse = lse[:, :, q0:q1]
             probabilities = part.probabilities(block_lse)  # [b, H, Q, keys]
             grad_o = grad_out[q0:q1].to(acc)  # [Q, b, H, d]
@@ -163,7 +164,7 @@ class SparseAttention(torch.autograd.Function):
             grad_query[q0:q1] = torch.einsum("bhqn,bnd->qbhd", grad_logits[..., :n], part.keys)
             grad_keys = (torch.einsum("bhqn,qbhd->bnd", grad_logits[..., :n], part.query)
                          + torch.einsum("bhqn,qbhd->bnd", probabilities[..., :n], grad_o))
-            grad_kv[part.lo:q1] += grad_keys.transpose(0, 1)
+            grad_kv[part.lo:part.hi] += grad_keys.transpose(0, 1)
             if part.selected is not None:
                 grad_query[q0:q1] += torch.einsum("bhqk,bqkd->qbhd", grad_logits[..., n:],
                                                   part.selected)
@@ -175,20 +176,23 @@ class SparseAttention(torch.autograd.Function):
         if grad_compressed is not None:
             grad_compressed = grad_compressed.transpose(0, 1).to(compressed.dtype)
         return (grad_query.to(query.dtype), grad_kv.to(kv.dtype), grad_compressed, None, None,
-                grad_sink.to(sink.dtype), None, None)
+                grad_sink.to(sink.dtype), None, None, None)
 
 
 def sparse_attention(query: torch.Tensor, kv: torch.Tensor, compressed: torch.Tensor | None,
                      indices: torch.Tensor | None, documents: torch.Tensor | None,
-                     sink: torch.Tensor, window: int, scale: float) -> torch.Tensor:
+                     sink: torch.Tensor, window: int, scale: float,
+                     offset: int = 0) -> torch.Tensor:
     """Softmax attention with a sink over each query's window and selected compressed keys
-    (module docstring). `documents` ``[s, b]`` int: a window key counts only inside the query's
-    document, and 0 marks padding (no key); None: one document, no padding. `indices` ``[s, b,
-    k]``: each query's compressed keys, -1 for none (their validity is the selection's)."""
+    (module docstring). `documents` ``[keys, b]`` int: a window key counts only inside the
+    query's document, and 0 marks padding (no key); None: one document, no padding. `indices`
+    ``[s, b, k]``: each query's compressed keys, -1 for none (their validity is the
+    selection's). `offset`: the first query's position among the keys (a context-parallel
+    piece of queries against the whole sequence's keys; 0: the queries are the keys' tokens)."""
     s, b = query.shape[:2]
-    if kv.shape[:2] != (s, b) or kv.shape[-1] != query.shape[-1]:
+    if kv.shape[1] != b or kv.shape[0] < s + offset or kv.shape[-1] != query.shape[-1]:
         raise InputError(f"sparse attention: kv {tuple(kv.shape)} does not match the query "
-                         f"{tuple(query.shape)}.")
+                         f"{tuple(query.shape)} at position {offset}.")
     if (compressed is None) != (indices is None):
         raise InputError("sparse attention: the compressed keys and their selection come "
                          "together.")
@@ -198,4 +202,4 @@ def sparse_attention(query: torch.Tensor, kv: torch.Tensor, compressed: torch.Te
     if documents is not None:
         documents = documents.to(torch.int64)
     return SparseAttention.apply(query, kv, compressed, indices, documents, sink, int(window),
-                                 float(scale))
+                                 float(scale), int(offset))
