@@ -41,6 +41,11 @@ Sections (each runs independently; a failure is recorded and the next section ru
   and without recompute; saved-for-backward bytes per token of one sublayer's mapping; 3
   training steps with recompute on, off and without mHC: losses (on = off within bf16
   noise) and peak device memory of each.
+- ``v41_long``: DeepSeek-V4.1 at length: the sparse attention core against the dense oracle
+  on the device (float32, forward and every gradient, 1e-5), context parallelism = world
+  against one process on packed rows (2+ ranks: loss and every gradient), and one
+  V4.1-Flash-shaped full layer (ratio 1, its indexer) forward + backward at 32768 in bf16:
+  peak device memory and time.
 - ``throughput``: tokens/s of the ``deepseek_v3_small`` backbone in bf16 with and without
   Engram (same backbone, batch and data), and peak GPU memory next to engram-plan's prediction
   for the same configuration (``memory_plan``: predicted / measured, recorded, not checked).
@@ -71,7 +76,7 @@ from typing import Callable
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-for extra in (REPO, REPO / "tests" / "dist"):
+for extra in (REPO, REPO / "tests" / "dist", REPO / "tests"):
     if str(extra) not in sys.path:
         sys.path.append(str(extra))
 
@@ -736,6 +741,80 @@ def memory_plan_vs_allocated(ctx: Context, cfg, micro: int) -> dict:
                 predicted_over_measured=round(predicted / measured, 3))
 
 
+def v41_long(ctx: Context) -> dict:
+    """DeepSeek-V4.1 at length: the sparse attention core against the dense oracle on the
+    device (float32 forward and every gradient, bf16 forward), context parallelism over the
+    process group (CP = world) against one process on packed rows, and the peak device memory
+    of one V4.1-Flash-shaped attention layer (full layer, ratio 1, its indexer) forward and
+    backward at sequence 32768 in bf16 (``--quick``: 1024 on narrower shapes)."""
+    from test_v41_sparse_attention import dense_attention, outputs_and_grads, random_case
+
+    from engram_train.models.deepseek_v41.v41_sparse_attention import sparse_attention
+
+    out = {}
+    s = 512 if ctx.quick else 4096
+    case = [t.to(ctx.device).detach().requires_grad_(t.requires_grad) if t is not None else t
+            for t in random_case(s, 1, 4, 64, s // 4, 64, True)]
+    dense = outputs_and_grads(dense_attention, case, 128, 64 ** -0.5)
+    sparse = outputs_and_grads(sparse_attention, case, 128, 64 ** -0.5)
+    errors = [((a - b).abs().max() / b.abs().max()).item() for a, b in zip(sparse, dense)]
+    out["core_float32_max_rel_error"] = max(errors)
+    check(max(errors) <= 1e-5, f"sparse vs dense on {ctx.device}: {errors}")
+    out["cp"] = v41_context_parallel_check(ctx) if ctx.world > 1 else "skipped: one rank"
+    out["flash_layer"] = v41_flash_layer_peak(ctx)
+    return out
+
+
+def v41_context_parallel_check(ctx: Context) -> dict:
+    from v41_context_parallel import loss_and_gradients
+
+    init_layout()
+    one = loss_and_gradients(1, 1, ctx.device)
+    init_layout(context=ctx.world)
+    ours = loss_and_gradients(1, ctx.world, ctx.device)
+    worst = max(((ours["grads"][k] - g).abs().max() / g.abs().max()).item()
+                for k, g in one["grads"].items())
+    check(abs(ours["loss"] - one["loss"]) <= 1e-5, f"CP loss {ours['loss']} vs {one['loss']}")
+    check(worst <= 1e-4, f"CP gradients differ by {worst:.2e} relative")
+    return dict(loss=ours["loss"], reference=one["loss"], worst_gradient=worst)
+
+
+def v41_flash_layer_peak(ctx: Context) -> dict:
+    from megatron.core.transformer import TransformerConfig
+
+    from engram_train.models.deepseek_v41.v41_args import DeepseekV41BackboneArgs
+    from engram_train.models.deepseek_v41.v41_attention import DeepseekV41Attention
+
+    if ctx.quick:
+        args = DeepseekV41BackboneArgs(hidden_size=256, num_attention_heads=4, head_dim=64,
+                                       qk_rope_head_dim=32, q_lora_rank=64, o_lora_rank=64,
+                                       o_groups=2, index_n_heads=4, index_head_dim=64,
+                                       index_topk=64, sliding_window=64)
+        seq = 1024
+    else:
+        args, seq = DeepseekV41BackboneArgs(), 32768  # the released V4.1-Flash shapes
+    dtype = torch.bfloat16 if ctx.cuda else torch.float32
+    config = TransformerConfig(num_layers=1, hidden_size=args.hidden_size, num_attention_heads=
+                               args.num_attention_heads, params_dtype=dtype,
+                               perform_initialization=False)
+    layer_id = args.kv_source_layer_ids[-1]  # a full ratio-1 layer with its indexer
+    init_layout()
+    layer = DeepseekV41Attention(args, layer_id, config, device=ctx.device, dtype=dtype)
+    x = torch.randn(seq, 1, args.hidden_size, device=ctx.device, dtype=dtype, requires_grad=True)
+    if ctx.cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    started = time.perf_counter()
+    out, _ = layer(x)
+    out.float().square().mean().backward()
+    synchronize(ctx)
+    result = dict(seq=seq, ratio=args.compress_ratios[layer_id], seconds=time.perf_counter() - started)
+    if ctx.cuda:
+        result["peak_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
+    return result
+
+
 SECTIONS = [
     Section("environment", "versions and device", needs_cuda=False, budget_s=5, run=environment),
     Section("te_spec", "Transformer Engine spec with Engram vs the local spec: forward and "
@@ -759,6 +838,9 @@ SECTIONS = [
             needs_cuda=False, budget_s=25, run=mhc),
     Section("throughput", "tokens/s with vs without Engram (deepseek_v3_small, bf16)",
             needs_cuda=False, budget_s=60, run=throughput),
+    Section("v41_long", "DeepSeek-V4.1 at length: sparse attention vs the dense oracle, CP = "
+            "world vs one process on packed rows, one V4.1-Flash layer's peak at 32K",
+            needs_cuda=False, budget_s=90, run=v41_long),
 ]
 
 

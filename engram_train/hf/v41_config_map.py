@@ -36,6 +36,12 @@ _OUTSIDE = set(NOT_THE_MODEL) | {
     "dspark_num_experts_per_tok", "image_token_id"}
 
 
+TRAINING_ONLY = ("fake_quantize", "attention_impl", "document_eos_id",
+                 "moe_router_bias_update_rate")
+"""`DeepseekV41BackboneArgs` fields of the project's runs, not of the model: never read from a
+``config.json`` nor written to one."""
+
+
 def is_v41(doc: dict) -> bool:
     """Whether a ``config.json`` is a DeepSeek-V4.1 one (composite or its text part)."""
     return doc.get("model_type") in (MODEL_TYPE, TEXT_MODEL_TYPE)
@@ -95,7 +101,7 @@ def v41_preset_from_hf(doc: dict) -> dict:
         if text.get(field, want) != want:
             _refuse(field, text[field], why)
     backbone = {k: text[k] for k in V41_FIELDS
-                if k in text and k not in ("rope_scaling", "fake_quantize", "attention_impl", "document_eos_id")}
+                if k in text and k != "rope_scaling" and k not in TRAINING_ONLY}
     backbone["rope_scaling"] = _rope_scaling(text)
     backbone["fake_quantize"] = True  # the released caches' rounding (false: layout checks)
     missing = sorted({"hidden_size", "num_hidden_layers", "moe_intermediate_size"} - set(backbone))
@@ -112,8 +118,7 @@ def v41_preset_from_hf(doc: dict) -> dict:
 
 def _text_fields(args) -> dict:
     fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(args)
-              if f.name not in ("rope_scaling", "fake_quantize", "attention_impl",
-                                "moe_router_bias_update_rate")}
+              if f.name != "rope_scaling" and f.name not in TRAINING_ONLY}
     fields = {k: list(v) if isinstance(v, tuple) else v for k, v in fields.items()}
     rope = {"rope_type": "default", "rope_theta": float(args.rope_theta)}
     if args.rope_scaling is not None:

@@ -36,9 +36,9 @@ def whole_gradient(param: torch.Tensor, grad: torch.Tensor, cp_group, tp_group) 
     return grad
 
 
-def main():
-    args = parse_args({"--cp": dict(type=int, default=1), "--tp": dict(type=int, default=1)})
-    initialize_distributed(ParallelSizes(tensor=args.tp, context=args.cp))
+def loss_and_gradients(tp: int, cp: int, device=torch.device("cpu")) -> dict:
+    """The loss over all tokens and every parameter's whole gradient on the current layout
+    (megatron's parallel state already initialised with `tp` and `cp`)."""
     from megatron.core import parallel_state
 
     from engram_train.models.builder import build_gpt_model
@@ -50,22 +50,21 @@ def main():
                    document_eos_id=EOS)
     config = deepseek_v41_config(section, dict(
         params_dtype=torch.float32, perform_initialization=True,
-        tensor_model_parallel_size=args.tp, sequence_parallel=args.tp > 1,
-        context_parallel_size=args.cp))
+        tensor_model_parallel_size=tp, sequence_parallel=tp > 1, context_parallel_size=cp))
     torch.manual_seed(5)
-    model = build_gpt_model(config, 512, SEQ)
+    model = build_gpt_model(config, 512, SEQ).to(device)
     with torch.no_grad():  # the same weights on every layout: drawn whole, sliced per rank
         generator = torch.Generator().manual_seed(11)
         for name, param in sorted(model.named_parameters()):
             shape = list(param.shape)
             if getattr(param, "tensor_model_parallel", False):
-                shape[param.partition_dim] *= args.tp
+                shape[param.partition_dim] *= tp
             whole = torch.randn(shape, generator=generator) * 0.05
             if "norm" in name:
                 whole = 1 + whole
             if getattr(param, "tensor_model_parallel", False):
                 rank = parallel_state.get_tensor_model_parallel_rank()
-                whole = whole.chunk(args.tp, dim=param.partition_dim)[rank]
+                whole = whole.chunk(tp, dim=param.partition_dim)[rank]
             param.copy_(whole)
     generator = torch.Generator().manual_seed(3)
     tokens = torch.randint(1, 512, (BATCH, SEQ + 1), generator=generator)
@@ -75,20 +74,27 @@ def main():
                  loss_mask=torch.ones(BATCH, SEQ),
                  position_ids=torch.arange(SEQ).expand(BATCH, -1).contiguous())
     batch = context_parallel_batch(batch)
-    losses = model(batch["tokens"], labels=batch["labels"])  # [b, s local]
+    losses = model(batch["tokens"].to(device), labels=batch["labels"].to(device))
     total = losses.sum()
     total.backward()
-    cp_group = parallel_state.get_context_parallel_group() if args.cp > 1 else None
-    tp_group = parallel_state.get_tensor_model_parallel_group() if args.tp > 1 else None
+    cp_group = parallel_state.get_context_parallel_group() if cp > 1 else None
+    tp_group = parallel_state.get_tensor_model_parallel_group() if tp > 1 else None
     loss = total.detach().clone()
     if cp_group is not None:
         dist.all_reduce(loss, group=cp_group)
-    grads = {name: whole_gradient(p, p.grad, cp_group, tp_group)
-             for name, p in model.named_parameters() if p.grad is not None}
+    return {"loss": loss.item() / (BATCH * SEQ), "local_tokens": int(batch["tokens"].numel()),
+            "grads": {name: whole_gradient(p, p.grad, cp_group, tp_group).cpu()
+                      for name, p in model.named_parameters() if p.grad is not None}}
+
+
+def main():
+    args = parse_args({"--cp": dict(type=int, default=1), "--tp": dict(type=int, default=1)})
+    initialize_distributed(ParallelSizes(tensor=args.tp, context=args.cp))
+    result = loss_and_gradients(args.tp, args.cp)
     if dist.get_rank() == 0:
-        torch.save({"loss": loss.item() / (BATCH * SEQ), "grads": grads},
+        torch.save({"loss": result["loss"], "grads": result["grads"]},
                    Path(args.out, "result.pt"))
-    write_result(args.out, {"local_tokens": int(batch["tokens"].numel())})
+    write_result(args.out, {"local_tokens": result["local_tokens"]})
 
 
 if __name__ == "__main__":
