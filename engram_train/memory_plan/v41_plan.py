@@ -113,20 +113,23 @@ def sparse(config) -> bool:
 
 
 def attention_per_token(config, layer: int, h: int, h_full: int, tp: int, a: int,
-                        seq_length: int | None = None) -> int:
+                        seq_length: int | None = None, cp: int = 1) -> int:
+    """Bytes per local token; under context parallelism (`cp`) the K=V and the compressed keys
+    the core keeps are the whole sequence's (gathered), `cp` times the local tokens'."""
     args = _args(config)
     heads, d = args.num_attention_heads // tp, args.head_dim
     groups = max(args.o_groups // tp, 1)
     # the query and K=V the core reads: as they are (sparse) or as float32 copies (dense)
     core = a if sparse(config) else 4
-    out = a * (h + h_full) + 2 * a * args.q_lora_rank + core * heads * d + core * d + 2 * a * d
+    out = a * (h + h_full) + 2 * a * args.q_lora_rank + core * heads * d + core * d * cp
+    out += 2 * a * d
     out += a * (heads * d + groups * args.o_lora_rank) + 4 * heads
     ratio = args.compress_ratios[layer]
     # the sparse core keeps the compressed keys as the full layer made them (one tensor for
     # every layer that reads them); the dense one concatenates a float32 copy per layer
     own_keys = ratio and (layer in args.kv_source_layer_ids or not sparse(config))
     if ratio:
-        out += core * d // ratio if own_keys else 0
+        out += core * d * cp // ratio if own_keys else 0
         if layer in args.kv_source_layer_ids:
             out += 2 * 4 * d
         if layer in args.index_source_layer_ids:  # the int64 selection the core keeps
@@ -169,7 +172,7 @@ def layer_per_token(config, layout, a: int, layer: int) -> dict[str, int]:
     h_full = config.hidden_size
     h = h_full // layout.tp if layout.sequence_parallel else h_full
     parts = {"attention": attention_per_token(config, layer, h, h_full, layout.tp, a,
-                                              layout.seq_length),
+                                              layout.seq_length, layout.cp),
              "moe": moe_per_token(config, h, h_full, layout.tp, routed_token_share(layout), a),
              "mhc": mhc_per_token(config, h, a)}
     if config.use_engram and layer in config.engram_layer_ids:
@@ -209,8 +212,10 @@ def attention_transient(config, layout, layer: int, a: int) -> int:
     b, s = layout.micro_batch_size, layout.seq_length
     heads, d, window = args.num_attention_heads // layout.tp, args.head_dim, args.sliding_window
     k = min(args.index_topk, layout_keys(args, ratio, s)) if ratio else 0
-    block = query_block(b, heads, window, k, s)
-    whole = b * s * (heads * d + d + (d // ratio if ratio else 0)) * (4 + (a if a < 4 else 0))
+    block = query_block(b, heads, window, k, s // layout.cp)
+    # the query's gradient for the rank's tokens, the keys' for the whole (gathered) sequence
+    whole = b * (s // layout.cp * heads * d + s * (d + (d // ratio if ratio else 0)))
+    whole *= 4 + (a if a < 4 else 0)
     return whole + 5 * 4 * b * heads * block * (block + window + k) + 2 * 4 * b * block * k * d
 
 
