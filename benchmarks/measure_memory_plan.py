@@ -52,6 +52,19 @@ HELD_OUT = {
                                "train.global_batch_size=8")),
 }
 
+# DeepSeek-V4.1 at length with the sparse attention (none was run before its plan terms were
+# written): the tiny preset at 4096 and 16384 tokens, widened, in bf16, and over CP 2.
+V41_TINY = ("model=deepseek_v41_tiny", "train.micro_batch_size=1", "train.global_batch_size=1",
+            "system.memory_check=warn")
+V41_LONG = {
+    "v41_s4096": (1, (*V41_TINY, "train.seq_length=4096")),
+    "v41_h128_bf16_s4096": (1, (*V41_TINY, "model.hidden_size=128", "system.precision=bf16",
+                                "train.seq_length=4096")),
+    "v41_s16384": (1, (*V41_TINY, "train.seq_length=16384")),
+    "v41_cp2_docs_s16384": (2, (*V41_TINY, "system.context_parallel_size=2",
+                                "+model.document_eos_id=0", "train.seq_length=16384")),
+}
+
 # Held out from the CPU items of memory_plan/fixed.py (bf16 MoE kernel caches; a flat heap top
 # then, cpu_heap.py now): none of these was run before those items were set.
 HELD_OUT_2 = {
@@ -272,7 +285,7 @@ def main() -> None:
     parser.add_argument("--replan", action="store_true", help="predict again, measure nothing")
     parser.add_argument("--scores", action="store_true", help="measure SDPA's CPU score transients")
     parser.add_argument("--set", default="held_out",
-                        choices=("held_out", "held_out_2", "held_out_3", "held_out_4", "kernel_cache_fill",
+                        choices=("held_out", "held_out_2", "held_out_3", "held_out_4", "v41_long", "kernel_cache_fill",
                                  "calibration", "all"))
     parser.add_argument("--cases", default="", help="comma-separated subset")
     parser.add_argument("--baseline", type=int, default=None, help="bytes (default: measure)")
@@ -285,7 +298,7 @@ def main() -> None:
         print(json.dumps(rows, indent=1))
         return Path(args.out).write_text(json.dumps(rows, indent=1))
     sets = {"held_out": HELD_OUT, "held_out_2": HELD_OUT_2, "held_out_3": HELD_OUT_3,
-            "held_out_4": HELD_OUT_4, "kernel_cache_fill": KERNEL_CACHE_FILL, "calibration": CALIBRATION}
+            "held_out_4": HELD_OUT_4, "v41_long": V41_LONG, "kernel_cache_fill": KERNEL_CACHE_FILL, "calibration": CALIBRATION}
     cases = {k: v for name, group in sets.items() if args.set in (name, "all") for k, v in group.items()}
     if args.cases:
         cases = {k: v for k, v in cases.items() if k in args.cases.split(",")}

@@ -44,3 +44,19 @@ def model_family(config: Any) -> str:
 def preset_family(model: Any) -> str:
     """The validated family of a model section (a dict or DictConfig; default 'deepseek_v3')."""
     return check_model_family(model.get("model_family", DEEPSEEK_V3))
+
+
+def check_family_fields(model: Any) -> None:
+    """A model section gives no field its family does not have: DeepSeek-V4.1 always runs its
+    own single-pass mHC over ``hc_mult`` streams, so the project mHC's fields
+    (``enable_hyper_connections``, ...), true or false, would change nothing; refused by name."""
+    if model.get("model_family", DEEPSEEK_V3) != DEEPSEEK_V41:
+        return
+    from engram_train.config.mhc import HyperConnectionConfig
+
+    given = [f for f in HyperConnectionConfig.__dataclass_fields__ if f in model]
+    if given:
+        raise ConfigError(
+            f"model.{given[0]}={model[given[0]]!r} with model_family=deepseek_v41: V4.1 always "
+            "runs its own single-pass mHC (model.hc_mult streams), which the project mHC's "
+            f"fields {given} do not change; drop them")

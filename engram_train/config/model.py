@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engram_train.config.choices import CHOICES
+from engram_train.config.family import check_family_fields
 from engram_train.config.mhc import HyperConnectionConfig, require_int, residual_streams
 from engram_train.errors import ConfigError, ConfigTypeError
 
@@ -420,6 +421,7 @@ def resolve(model: Mapping[str, Any]) -> dict[str, Any]:
     ``engram_hc_mult`` derived from the backbone (`residual_streams`) when unset. The one
     derivation the trainer, export, transformers interop and sweep share; the composed
     megatron configs apply the same rule in `check_hyper_connections`."""
+    check_family_fields(model)
     fields = dataclasses.fields(EngramConfig) + dataclasses.fields(HyperConnectionConfig)
     out = {f.name: _default(f) for f in fields}
     out.update(model.items())

@@ -147,8 +147,8 @@ def fill_shard(model: list, folder: HFFolder, doc: dict, vocab: int, names=hf_pi
                 raise HFImportError(f"{folder.folder} has no {source} (megatron {key} needs it)")
             want = (hf_rows, *piece.shape[1:]) if piece.name in vocab_names else tuple(piece.shape)
             if folder.shape(source) != want:
-                raise HFImportError(f"{source} has shape {folder.shape(source)}, the model built "
-                                    f"from config.json needs {tuple(piece.shape)}")
+                raise HFImportError(_shape_message(source, folder.shape(source), want,
+                                                   piece.name in vocab_names, hf_rows))
             at = [a - s for a, s in zip(lo, piece.start)]
             extent = [b - a for a, b in zip(lo, hi)]
             box = target
@@ -180,6 +180,17 @@ def fill_shard(model: list, folder: HFFolder, doc: dict, vocab: int, names=hf_pi
         warnings.append("tie_word_embeddings: the output layer starts as a copy of the embedding "
                         "(the trainer keeps them apart)")
     return used, warnings
+
+
+def _shape_message(source: str, stored: tuple, want: tuple, vocab: bool, hf_rows: int) -> str:
+    """One line: the folder tensor's shape, the shape config.json implies, and the fix."""
+    stored, want = tuple(stored), tuple(want)
+    if vocab and stored[1:] == want[1:]:
+        return (f"{source} has shape {stored}: {stored[0]} vocabulary rows, but config.json "
+                f"vocab_size={hf_rows} needs {want}; set vocab_size to the tensor's "
+                f"{stored[0]} rows (or give the folder's own weights)")
+    return (f"{source} has shape {stored}, the model built from config.json needs {want}; "
+            "give the config.json these weights were saved with")
 
 
 def _read(folder: HFFolder, name: str, at: list[int], extent: list[int], doc: dict) -> torch.Tensor:
@@ -311,7 +322,7 @@ def import_hf(hf: str | Path, out: str | Path, *, tokenizer: str | Path | None =
     used, warnings = fill_shard(model, folder, doc, vocab)
     folder.close()
     check_all_used(folder, used, set(mtp))
-    for warning in warnings if dist.get_rank() == 0 else []:
+    for warning in [*folder.ignored_files_notes(), *warnings] if dist.get_rank() == 0 else []:
         log(f"warning: {warning}")
     return write_import(out, hf, model, cfg, config, vocab, section, preset_name,
                         started, baseline, log)

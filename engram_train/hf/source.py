@@ -1,7 +1,9 @@
 """The tensors of a transformers model folder, read one at a time.
 
-``model.safetensors.index.json`` (or the folder's ``*.safetensors`` files) says which file
-holds a tensor; each is read alone from its file's memory map. Block-scaled fp8 weights
+``model.safetensors.index.json`` says which file holds a tensor; without an index the weights
+are ``model.safetensors`` alone when the folder has it (as transformers reads such a folder:
+other safetensors beside it, a logits dump or an adapter, are ignored and named), else every
+``*.safetensors`` file. Each tensor is read alone from its file's memory map. Block-scaled fp8 weights
 (DeepSeek-V3's released format: ``<name>`` in float8_e4m3fn with ``<name>_scale_inv`` per
 128 x 128 block) are dequantized on the fly, so memory holds one tensor at a time.
 """
@@ -17,6 +19,7 @@ from safetensors import safe_open
 from engram_train.errors import EngramError
 
 SCALE_SUFFIX = "_scale_inv"
+SINGLE_FILE = "model.safetensors"
 
 
 class HFSourceError(EngramError, ValueError):
@@ -41,6 +44,7 @@ class HFFolder:
 
     def __init__(self, folder: str | Path, block_size: tuple[int, int] = (128, 128)) -> None:
         self.folder = Path(folder)
+        self.ignored: list[str] = []  # safetensors files beside model.safetensors, not read
         index = self.folder / "model.safetensors.index.json"
         if index.is_file():
             try:
@@ -52,7 +56,12 @@ class HFFolder:
                           for k, v in weight_map.items()}  # fmt: skip
         else:
             self.files = {}
-            for path in sorted(self.folder.glob("*.safetensors")):
+            paths = sorted(self.folder.glob("*.safetensors"))
+            single = self.folder / SINGLE_FILE
+            if single.is_file():  # transformers' unsharded weights: the others are not read
+                self.ignored = [p.name for p in paths if p.name != SINGLE_FILE]
+                paths = [single]
+            for path in paths:
                 self._inside(path.name, f"weight file {path.name!r}")
                 with open_safetensors(path) as f:
                     self.files.update({k: path for k in f.keys()})
@@ -74,6 +83,14 @@ class HFFolder:
             raise HFSourceError(f"{what} resolves to {resolved}, outside {self.folder}: weight files "
                                 "must lie inside the model folder")
         return self.folder / name
+
+    def ignored_files_notes(self) -> list[str]:
+        """The line that names the safetensors files not read (none: no line)."""
+        if not self.ignored:
+            return []
+        return [f"ignored {', '.join(self.ignored)} in {self.folder}: without "
+                f"model.safetensors.index.json the weights are {SINGLE_FILE} alone, as "
+                "transformers reads the folder"]
 
     def close(self) -> None:
         """Drop the files' memory maps (their touched pages count as this process's memory)."""

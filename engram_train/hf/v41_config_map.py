@@ -78,11 +78,29 @@ def _rope_scaling(text: dict) -> dict | None:
     return {k: params[k] for k in keep if k in params}
 
 
+def _check_table_rows(text: dict, layers: list, n: int, heads: int) -> None:
+    """``engram_num_embeddings`` (when given) is each layer's sum of primes: the table rows the
+    hash addresses, which the import builds and the export writes back."""
+    given = text.get("engram_num_embeddings")
+    if given is None:
+        return
+    from engram_train.engram.ngram_hash import engram_head_vocab_sizes
+
+    primes = engram_head_vocab_sizes([int(text["engram_vocab_size"])] * (n - 1), n, heads,
+                                     layers)
+    rows = [sum(sum(order) for order in primes[int(i)]) for i in layers]
+    if not isinstance(given, list) or [int(r) for r in given] != rows:
+        _refuse("engram_num_embeddings", given, f"the hash of engram_layer_ids={layers} "
+                f"addresses exactly {rows} rows (each layer's sum of primes above "
+                f"engram_vocab_size={text['engram_vocab_size']}); set it to {rows}")
+
+
 def _engram_section(text: dict) -> dict:
     layers = list(text.get("engram_layer_ids") or [])
     if not layers:
         return {"use_engram": False}
     n, heads = int(text["engram_max_ngram_size"]), int(text["engram_n_heads"])
+    _check_table_rows(text, layers, n, heads)
     return {"use_engram": True, "engram_variant": "deepseek_v41",
             "engram_tokenizer_name_or_path": "${data.tokenizer}",
             "engram_layer_ids": layers, "max_ngram_size": n, "n_head_per_ngram": heads,

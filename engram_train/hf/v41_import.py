@@ -185,7 +185,7 @@ def import_v41(hf: Path, out: Path, doc: dict, *, tokenizer=None, preset_name: s
             log(f"skipped {len(skipped['mtp'])} mtp.* tensors (the DSpark/MTP draft) and "
                 f"{len(skipped['vision'])} vision tensors (vision.*, aligner.*, image_*, "
                 "ffn.gate.bias_vl), which the text model does not hold")
-        for warning in warnings:
+        for warning in [*folder.ignored_files_notes(), *folder.warnings, *warnings]:
             log(f"warning: {warning}")
     mapping = None
     if config.use_engram:  # the run identity records the Engram hash

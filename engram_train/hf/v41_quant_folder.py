@@ -7,7 +7,8 @@ slice needs (``v41_quant_layout.dequantize_from_release`` on safetensors ``get_s
 objects: the FP8/FP4 codes and E8M0 scale blocks of the slice, decoded a bounded number of rows
 at a time; floating tensors are read as stored). `check` reads every header once before the
 model is built: a quantized weight without its scale, a scale of the wrong shape or dtype and a
-dtype no V4.1 tensor uses are refused in one line naming the tensor.
+dtype no V4.1 tensor uses are refused in one line naming the tensor; a weight whose E8M0 scales
+are all byte 0 (2^-127: the whole weight decodes to about 0) is named in `warnings`.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class V41Folder(HFFolder):
     def __init__(self, folder) -> None:
         super().__init__(folder)
         self._names = release_weight_names(list(self.files))
+        self.warnings: list[str] = []
 
     def names(self) -> list[str]:
         return list(self._names)
@@ -60,9 +62,30 @@ class V41Folder(HFFolder):
             if dtype in (torch.float8_e4m3fn, torch.int8):
                 check_stored(quantized_format(name, dtype), name, weight, self._scale(name))
                 quantized += 1
+                if self._scales_all_zero(name):
+                    self.warnings.append(
+                        f"{name}: every E8M0 scale in {scale_name(name)} is byte 0 (2^-127), so "
+                        "the whole weight decodes to about 0; the folder's scales look damaged "
+                        "(restore them from the model's source)")
             else:
                 refuse_unfloating(name, dtype, self._scale(name) is not None)
         return quantized
+
+    def _scales_all_zero(self, name: str) -> bool:
+        """Whether every E8M0 byte of `name`'s scale is 0, read a bounded block of rows at a
+        time and stopped at the first other byte (at once for a healthy weight)."""
+        scale = self._scale(name)
+        shape = scale.get_shape()
+        if not shape:
+            return int(scale[:].view(torch.uint8)) == 0
+        width = 1
+        for n in shape[1:]:
+            width *= int(n)
+        step = max(1, (1 << 22) // max(1, width))
+        for lo in range(0, int(shape[0]), step):
+            if bool((scale[lo:lo + step].view(torch.uint8) != 0).any()):
+                return False
+        return True
 
     def shape(self, name: str) -> tuple[int, ...]:
         return release_shape(name, self._slice(name))

@@ -23,8 +23,12 @@ and EOS as the config says) and its positions as megatron's GPT dataset gives th
 (``data.reset_position_ids``). The last stage gathers the vocabulary-parallel logits over
 tensor parallelism and sends them to global rank 0, which writes the file (a temporary file,
 then a rename). Under sequence parallelism the ids are extended to a multiple of the
-tensor-parallel size by repeating the last id; a causal model's logits at the given positions do
-not depend on what follows, and the extension is cut off again.
+tensor-parallel size by repeating the last id, and the extension is cut off again. A DeepSeek-V4.1
+model gets the extension marked as padding (``padding_mask``, megatron's ``GPTModel`` argument):
+padding is no key, no compressed run, no routed expert's token and no Engram lookup, so the
+logits are those of the given length (docs/reliability.md 'engram-logits on every layout');
+megatron's GPT model (DeepSeek-V3) is causal token by token, and its extension tokens change
+no earlier position.
 """
 
 from __future__ import annotations
@@ -83,10 +87,12 @@ def read_ids(path: str | os.PathLike) -> torch.Tensor:
         raise InputError(f"{where} is ragged: row 0 has {lengths[0]} ids, row {other} has "
                          f"{lengths[other]}; give rows of one length (cut them, or run the "
                          "lengths in separate files)")
-    try:
-        return torch.tensor(doc, dtype=torch.int64)
-    except RuntimeError as err:  # beyond int64
-        raise InputError(f"{where}: {err}; token ids are small non-negative integers") from None
+    for row, ids in enumerate(doc):  # torch.tensor raises a bare ValueError beyond int64
+        for pos, i in enumerate(ids):
+            if not -2**63 <= i < 2**63:
+                raise InputError(f"{where}: id {i} (row {row}, position {pos}) does not fit int64; "
+                                 "token ids are small non-negative integers (the tokenizer's)")
+    return torch.tensor(doc, dtype=torch.int64)
 
 
 def check_vocabulary(ids: torch.Tensor, vocab: int, where: str, what: str) -> None:
@@ -248,15 +254,21 @@ def position_ids(cfg, tokens: torch.Tensor) -> torch.Tensor:
 def microbatches(plan: LogitsPlan, ids: torch.Tensor) -> list[dict]:
     """One micro-batch per sequence, as the trainer's data path hands them to the model (hash
     ids from ``hash_block``); extended to a multiple of the tensor-parallel size under
-    sequence parallelism (module docstring)."""
-    tp = plan.model_config.tensor_model_parallel_size
-    if plan.model_config.sequence_parallel and ids.shape[1] % tp:
-        extra = tp - ids.shape[1] % tp
+    sequence parallelism, the extension marked as padding for DeepSeek-V4.1 (module
+    docstring)."""
+    from engram_train.config.family import DEEPSEEK_V41, model_family
+
+    tp, length = plan.model_config.tensor_model_parallel_size, ids.shape[1]
+    if plan.model_config.sequence_parallel and length % tp:
+        extra = tp - length % tp
         ids = torch.cat([ids, ids[:, -1:].expand(-1, extra)], dim=1)
+    mark_padding = model_family(plan.model_config) == DEEPSEEK_V41 and ids.shape[1] > length
     batches = []
     for row in ids.split(1):
         # `model_inputs` reads labels; the logits' forward drops them (`_logits_step`)
         batch = {"tokens": row, "labels": row, "position_ids": position_ids(plan.cfg, row)}
+        if mark_padding:
+            batch["padding_mask"] = torch.arange(row.shape[1]).unsqueeze(0) >= length
         if plan.mapping is not None:
             batch["engram_hash_ids"] = torch.as_tensor(plan.mapping.hash_block(row))
         batches.append(batch)
@@ -268,8 +280,12 @@ def _logits_step(data_iterator, model):
     on the last stage."""
     from engram_train.training.step import model_inputs
 
-    kwargs = model_inputs(next(data_iterator), next(model.parameters()).device)
+    batch = next(data_iterator)
+    device = next(model.parameters()).device
+    kwargs = model_inputs(batch, device)
     kwargs.pop("labels")
+    if batch.get("padding_mask") is not None:  # DeepSeek-V4.1's extension (`microbatches`)
+        kwargs["padding_mask"] = batch["padding_mask"].to(device)
     return model(**kwargs), _keep_output
 
 

@@ -93,7 +93,11 @@ def _validated_v41(cfg, world: int, cache: dict):
         s = cfg.system
         dp = world // (int(s.tensor_model_parallel_size) * int(s.pipeline_model_parallel_size)
                        * int(s.context_parallel_size or 1))
-        config = validate_run_config(v41_plan.validation_cfg(cfg), max(dp, 1), check_data=False)
+        copy = v41_plan.validation_cfg(cfg)
+        # the copy's tensor-parallel size is 1: its sequence parallelism follows it (the
+        # layout's own, cfg's, is what the plan reads: plan_layout.layout_of)
+        copy.system.sequence_parallel = "auto"
+        config = validate_run_config(copy, max(dp, 1), check_data=False)
         cache["v41_config"] = config
     v41_plan.check_layout(cfg, config, world)
     if cache.get("searching"):  # the layout found gets its note (search_plan)

@@ -12,9 +12,7 @@ model config's (``engram_train/config``), run by ``build_transformer_config``, w
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
-import re
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +23,7 @@ from engram_train.config.family import DEEPSEEK_V41, preset_family
 from engram_train.config.run import MEMORY_CHECKS
 from engram_train.errors import ConfigError, EngramError  # noqa: F401  (ConfigError: re-exported)
 from engram_train.runtime.distributed import ParallelSizes
+from engram_train.training.run_keys import check_data_keys, check_schedule
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 RECOMPUTE = (None, "selective", "full")
@@ -91,7 +90,8 @@ def validate_run_config(cfg, world_size: int, check_data: bool = True):
     p.validate(world_size)
     dp = data_parallel_size(cfg, world_size)
     _check_batch(cfg, dp, world_size)
-    _check_data_keys(cfg.data)
+    check_schedule(cfg.train)
+    check_data_keys(cfg.data, preset_family(cfg.model))
     _check_model_family_layout(cfg, p)
     _check_pipeline(cfg, p, dp)
     _check_precision(cfg)
@@ -134,20 +134,6 @@ def _check_batch(cfg, dp: int, world_size: int) -> None:
     for key in ("log_interval", "eval_interval"):
         if t[key] is not None and t[key] < 1:
             raise ConfigError(f"train.{key}={t[key]} must be >= 1 (or null to disable)")
-
-
-def _check_data_keys(d) -> None:
-    """The ``data`` keys that need no file: the split, the attention mask, the hash threads."""
-    _check_split(d.split)
-    if d.reset_attention_mask:
-        raise ConfigError(
-            "data.reset_attention_mask=true is not supported: the trainer's attention (local and "
-            "Transformer Engine) runs causal without a per-document mask, so documents would "
-            "still attend to earlier ones. Set data.reset_attention_mask=false; for Engram's "
-            "document boundaries set model.engram_reset_at_eos=true (with model.engram_eos_id)"
-        )
-    if d.hash_threads < 1:
-        raise ConfigError(f"data.hash_threads={d.hash_threads!r} must be an int >= 1")
 
 
 def _check_pipeline(cfg, p: ParallelSizes, dp: int) -> None:
@@ -359,26 +345,6 @@ def _check_divergence_guard(t) -> None:
         raise ConfigError(f"train.divergence_window={window!r} must be an int >= 1 (iterations)")
     if steps < 1:
         raise ConfigError(f"train.divergence_collapse_steps={steps!r} must be an int >= 1")
-
-
-def _check_split(split) -> None:
-    """``data.split`` as megatron reads it: up to three non-negative shares (train, valid,
-    test) separated by ``,`` or ``/``, not all zero."""
-    parts = re.split(r"[,/]", str(split))
-    try:
-        shares = [float(p) for p in parts]
-    except ValueError:
-        shares = []
-    if not (1 <= len(shares) <= 3 and all(math.isfinite(x) and x >= 0 for x in shares) and sum(shares) > 0):
-        raise ConfigError(
-            f"data.split={split!r} must be up to three non-negative train,valid,test shares, not all "
-            'zero, e.g. data.split="90,10,0"'
-        )
-    if shares[0] == 0:
-        raise ConfigError(
-            f"data.split={split!r} gives training no share of the data (the first of train,valid,"
-            'test): give it one, e.g. data.split="90,10,0"'
-        )
 
 
 def _check_data(cfg) -> None:

@@ -24,6 +24,7 @@ from torch import nn
 from engram_train.errors import InputError
 from engram_train.models.deepseek_v41.v41_attention import DeepseekV41Attention
 from engram_train.models.deepseek_v41.v41_csa import CSAState
+from engram_train.models.deepseek_v41.v41_documents import segments
 from engram_train.models.deepseek_v41.v41_hyper_connection import (
     DeepseekV41HyperConnection,
     collapse,
@@ -64,21 +65,55 @@ class DeepseekV41Layer(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor, CSAState]:
         """`streams` ``[s, b, n, h]``, `pre` float32 ``[s, b, n]``, `valid` optional bool
         ``[s, b]`` (right padding), `hash_ids` ``[s, b, K]`` on an Engram layer, `documents`
-        optional ``[s, b]`` packed document ids of the whole sequence (`v41_documents`)."""
+        optional ``[s, b]`` packed document ids of the whole sequence (`v41_documents`).
+        Under sequence parallelism `streams`, `pre` and `hash_ids` are this tensor-parallel
+        rank's slice of the sequence, `valid` and `documents` the whole sequence (the attention
+        gathers the sequence; the Engram branch and the MoE take `valid`'s slice). There the
+        attention gets the padding as document 0 of `documents` (``v41_documents.segments``,
+        the form its keys, compressed runs and selection read `valid` in; its own output mask
+        would take the whole sequence's `valid` after ``wo_b`` has scattered the rows): a
+        padding row's output is then not zeroed, which reaches no other token."""
         if pre.dtype != torch.float32 or pre.shape != streams.shape[:-1]:
             raise InputError(f"pre must be float32 {tuple(streams.shape[:-1])}, got "
                              f"{pre.dtype} {tuple(pre.shape)}.")
+        local = self._local_valid(valid, streams.shape[0])
         if self.engram is not None:
             if hash_ids is None:
                 raise InputError(f"layer {self.layer_id} has an Engram branch: pass its hash_ids.")
-            streams = streams + self.engram(streams, hash_ids, token_mask=valid)
+            streams = streams + self.engram(streams, hash_ids, token_mask=local)
         mix = self.attn_hc(streams)
+        if local is not valid:  # tensor-parallel: padding as document 0 (below)
+            valid, documents = None, segments(valid, documents)
         attended, state = self.attn(self.attn_norm(collapse(streams, pre)), state, valid,
                                     documents)
         streams = expand(attended, streams, mix)
         pre = mix.pre
         mix = self.ffn_hc(streams)
         normed = self.ffn_norm(collapse(streams, pre))
-        moe_out = recomputed(self.ffn, normed, valid) if self.recompute_moe else self.ffn(
-            normed, valid)
+        moe_out = recomputed(self.ffn, normed, local) if self.recompute_moe else self.ffn(
+            normed, local)
         return expand(moe_out, streams, mix), mix.pre, state
+
+    def _local_valid(self, valid: torch.Tensor | None, rows: int) -> torch.Tensor | None:
+        """`valid` ``[s, b]`` of the whole sequence -> this rank's ``rows`` of it: all of it
+        without tensor parallelism, else the tensor-parallel rank's contiguous share (megatron's
+        sequence-parallel split)."""
+        if valid is None or valid.shape[0] == rows:
+            return valid
+        tp = self.attn.tp
+        if valid.shape[0] != rows * tp:
+            raise InputError(f"valid has {valid.shape[0]} rows: the whole sequence of "
+                             f"{rows} x {tp} tensor-parallel ranks ([s, b] bool).")
+        rank = tensor_parallel_rank(self.attn.tp_group)
+        return valid[rank * rows:(rank + 1) * rows]
+
+
+def tensor_parallel_rank(tp_group) -> int:
+    """This process's rank in `tp_group` (megatron's tensor-parallel group when None)."""
+    if tp_group is not None:
+        import torch.distributed as dist
+
+        return dist.get_rank(tp_group)
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_rank()

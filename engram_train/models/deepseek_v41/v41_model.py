@@ -18,6 +18,10 @@ module. The layers are `v41_layer.DeepseekV41Layer` (exact against NeMo Automode
 Positions are the token's index in its row (V4.1's attention is causal by construction; the
 sliding window and CSA2 give its mask): ``position_ids`` and megatron's ``attention_mask`` are
 accepted and not read (``data.reset_position_ids=true`` is refused for V4.1 by the run config).
+``padding_mask`` ``[b, s]`` (megatron's ``GPTModel`` convention: True marks padding) marks
+right padding: padding tokens are neither keys nor compressed runs, enter no routed expert and
+no Engram lookup, so the other tokens' outputs are those of the row without them
+(``engram-logits`` pads a row to a multiple of the tensor-parallel size this way).
 
 Data-parallel, the heads over tensor-parallel ranks with sequence parallelism (the attention
 gathers the sequence; `_mark_sequence_parallel`), the routed experts over expert-parallel ranks
@@ -178,10 +182,12 @@ class DeepseekV41GPTModel(LanguageModule):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                engram_hash_ids=None, **unused) -> torch.Tensor:
+                engram_hash_ids=None, padding_mask: torch.Tensor | None = None,
+                **unused) -> torch.Tensor:
         """``input_ids [b, s]`` -> logits ``[b, s, vocab / tp]`` float32, or with `labels`
         ``[b, s]`` the per-token loss ``[b, s]`` (megatron's ``GPTModel`` contract); before
-        the last pipeline stage, the boundary tensor for the next (``v41_pipeline``)."""
+        the last pipeline stage, the boundary tensor for the next (``v41_pipeline``).
+        `padding_mask` ``[b, s]`` bool, True on right padding (module docstring)."""
         del position_ids, attention_mask
         given = sorted(k for k, v in unused.items() if v is not None)
         if given:  # e.g. engram_token_mask: dead tokens are not supported by this model yet
@@ -197,8 +203,9 @@ class DeepseekV41GPTModel(LanguageModule):
             share = context_share(input_ids.shape[1], input_ids.device)
             whole = input_ids if share is None else whole_sequence_ids(input_ids, share)
             documents = document_ids(whole, self.args.document_eos_id).t()
+        valid = right_padding_valid(padding_mask, input_ids)
         streams, pre, state = self._layers_forward(streams, pre, state, engram_hash_ids,
-                                                   documents)
+                                                   documents, valid)
         if not self.post_process:
             return pack_boundary(streams, pre, state, self.args.hidden_size)
         hidden = self.final_norm(collapse(streams, pre))
@@ -207,14 +214,15 @@ class DeepseekV41GPTModel(LanguageModule):
             return logits.transpose(0, 1).contiguous()
         return self.compute_language_model_loss(labels, logits)
 
-    def _layers_forward(self, streams, pre, state, engram_hash_ids, documents=None):
+    def _layers_forward(self, streams, pre, state, engram_hash_ids, documents=None,
+                        valid=None):
         """This stage's layers; under ``recompute_granularity=full`` the chunks of
         `full_recompute_chunks` keep only their inputs and run again in the backward."""
         layers = list(self.layers)
         hash_ids = [self._layer_hash_ids(engram_hash_ids, layer) for layer in layers]
         for start, stop, recompute in full_recompute_chunks(self.config, len(layers)):
             run = functools.partial(_run_layers, layers[start:stop], hash_ids[start:stop],
-                                    documents)
+                                    documents, valid)
             if recompute and torch.is_grad_enabled():
                 streams, pre, state = checkpoint(run, streams, pre, state, use_reentrant=False)
             else:
@@ -222,10 +230,30 @@ class DeepseekV41GPTModel(LanguageModule):
         return streams, pre, state
 
 
-def _run_layers(layers, hash_ids, documents, streams, pre, state):
+def _run_layers(layers, hash_ids, documents, valid, streams, pre, state):
     for layer, ids in zip(layers, hash_ids):
-        streams, pre, state = layer(streams, pre, state, hash_ids=ids, documents=documents)
+        streams, pre, state = layer(streams, pre, state, valid=valid, hash_ids=ids,
+                                    documents=documents)
     return streams, pre, state
+
+
+def right_padding_valid(padding_mask: torch.Tensor | None, input_ids: torch.Tensor
+                        ) -> torch.Tensor | None:
+    """``valid [s, b]`` bool of the whole sequence from megatron's ``padding_mask [b, s]``
+    (True on padding), or None without padding; `InputError` unless every row is its tokens
+    followed by its padding, at least one token."""
+    if padding_mask is None:
+        return None
+    if padding_mask.dtype != torch.bool or padding_mask.shape != input_ids.shape:
+        raise InputError(f"padding_mask must be bool [b, s] = {list(input_ids.shape)} (True on "
+                         f"padding), got {padding_mask.dtype} {list(padding_mask.shape)}.")
+    if not bool(padding_mask.any()):
+        return None
+    valid = ~padding_mask.to(input_ids.device)
+    if bool((valid[:, 1:] & ~valid[:, :-1]).any()) or not bool(valid[:, 0].all()):
+        raise InputError("padding_mask: DeepSeek-V4.1 takes right padding only (each row its "
+                         "tokens, at least one, then its padding).")
+    return valid.t().contiguous()
 
 
 def full_recompute_chunks(config, num_layers: int) -> list[tuple[int, int, bool]]:

@@ -1,0 +1,78 @@
+"""Rules on ``train`` and ``data`` keys that need nothing but their own section: the LR
+schedule's values and the data keys read without a file. Part of the run config's rules
+(``training/run_config.py`` calls them from ``validate_run_config``), kept in their own module
+so each stays small.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from engram_train.config.family import DEEPSEEK_V41
+from engram_train.errors import ConfigError
+
+
+def check_schedule(t) -> None:
+    """The LR schedule megatron's ``OptimizerParamScheduler`` asserts without a message (``lr``
+    at least ``min_lr``, ``min_lr`` not negative, warm-up shorter than the decay, weight decay
+    not negative), each refused naming the ``train.*`` fields, their values and the fix."""
+    if not t.min_lr >= 0:
+        raise ConfigError(f"train.min_lr={t.min_lr:g} must be >= 0 (the LR the schedule decays "
+                          "to)")
+    if not t.lr >= t.min_lr:
+        raise ConfigError(f"train.lr={t.lr:g} is below train.min_lr={t.min_lr:g}: the schedule "
+                          "decays from lr to min_lr; raise train.lr or lower train.min_lr "
+                          f"(e.g. train.min_lr={t.lr / 10:g})")
+    decay = t.lr_decay_iters or t.train_iters
+    which = "train.lr_decay_iters" if t.lr_decay_iters else "train.train_iters (lr_decay_iters null)"
+    if decay < 1:
+        raise ConfigError(f"train.lr_decay_iters={t.lr_decay_iters} must be >= 1 (or null: "
+                          "train.train_iters)")
+    if not 0 <= t.lr_warmup_iters < decay:
+        raise ConfigError(f"train.lr_warmup_iters={t.lr_warmup_iters} must be >= 0 and below the "
+                          f"decay length {which}={decay}; shorten the warm-up or lengthen the "
+                          "decay")
+    if not t.weight_decay >= 0:
+        raise ConfigError(f"train.weight_decay={t.weight_decay:g} must be >= 0")
+
+
+def check_data_keys(d, family: str) -> None:
+    """The ``data`` keys that need no file: the split, the attention mask, the hash threads;
+    `family` is the model's (``model_family``), whose way to packed documents the message
+    names."""
+    check_split(d.split)
+    if d.reset_attention_mask and family == DEEPSEEK_V41:
+        raise ConfigError(
+            "data.reset_attention_mask=true is not supported: DeepSeek-V4.1 does not read "
+            "megatron's per-document mask. Set data.reset_attention_mask=false and, for packed "
+            "documents, model.document_eos_id=<the EOS id> (attention, compression and selection "
+            "per document, positions restarting; docs/deepseek-v41.md)")
+    if d.reset_attention_mask:
+        raise ConfigError(
+            "data.reset_attention_mask=true is not supported: the trainer's attention (local and "
+            "Transformer Engine) runs causal without a per-document mask, so documents would "
+            "still attend to earlier ones. Set data.reset_attention_mask=false; for Engram's "
+            "document boundaries set model.engram_reset_at_eos=true (with model.engram_eos_id)")
+    if d.hash_threads < 1:
+        raise ConfigError(f"data.hash_threads={d.hash_threads!r} must be an int >= 1")
+
+
+def check_split(split) -> None:
+    """``data.split`` as megatron reads it: up to three non-negative shares (train, valid,
+    test) separated by ``,`` or ``/``, not all zero."""
+    parts = re.split(r"[,/]", str(split))
+    try:
+        shares = [float(p) for p in parts]
+    except ValueError:
+        shares = []
+    if not (1 <= len(shares) <= 3 and all(math.isfinite(x) and x >= 0 for x in shares) and sum(shares) > 0):
+        raise ConfigError(
+            f"data.split={split!r} must be up to three non-negative train,valid,test shares, not all "
+            'zero, e.g. data.split="90,10,0"'
+        )
+    if shares[0] == 0:
+        raise ConfigError(
+            f"data.split={split!r} gives training no share of the data (the first of train,valid,"
+            'test): give it one, e.g. data.split="90,10,0"'
+        )
