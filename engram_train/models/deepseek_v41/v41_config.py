@@ -89,6 +89,10 @@ class DeepseekV41ModelConfig(EngramTransformerConfig):
         self.variable_seq_lengths = False
         super().__post_init__()
         self.variable_seq_lengths = pipelined
+        if self.context_parallel_size > 1 and self.deepseek_v41.attention_impl != "sparse":
+            raise ConfigError(f"context_parallel_size={self.context_parallel_size} with "
+                              "attention_impl=dense: context parallelism runs the sparse "
+                              "attention; drop attention_impl (sparse is the default).")
         if mhc:
             self.recompute_modules = [*self.recompute_modules, "mhc"]
         selective_recompute(self)
