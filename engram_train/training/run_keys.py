@@ -14,9 +14,10 @@ from engram_train.errors import ConfigError
 
 
 def check_schedule(t) -> None:
-    """The LR schedule megatron's ``OptimizerParamScheduler`` asserts without a message (``lr``
-    at least ``min_lr``, ``min_lr`` not negative, warm-up shorter than the decay, weight decay
-    not negative), each refused naming the ``train.*`` fields, their values and the fix."""
+    """The LR schedule's values megatron's ``OptimizerParamScheduler`` asserts without a
+    message (``lr`` at least ``min_lr``, ``min_lr`` and the weight decay not negative), each
+    refused naming the ``train.*`` fields, their values and the fix. (A warm-up longer than the
+    decay is accepted: ``training/optimizer.build_lr_scheduler`` lengthens the decay.)"""
     if not t.min_lr >= 0:
         raise ConfigError(f"train.min_lr={t.min_lr:g} must be >= 0 (the LR the schedule decays "
                           "to)")
@@ -24,15 +25,6 @@ def check_schedule(t) -> None:
         raise ConfigError(f"train.lr={t.lr:g} is below train.min_lr={t.min_lr:g}: the schedule "
                           "decays from lr to min_lr; raise train.lr or lower train.min_lr "
                           f"(e.g. train.min_lr={t.lr / 10:g})")
-    decay = t.lr_decay_iters or t.train_iters
-    which = "train.lr_decay_iters" if t.lr_decay_iters else "train.train_iters (lr_decay_iters null)"
-    if decay < 1:
-        raise ConfigError(f"train.lr_decay_iters={t.lr_decay_iters} must be >= 1 (or null: "
-                          "train.train_iters)")
-    if not 0 <= t.lr_warmup_iters < decay:
-        raise ConfigError(f"train.lr_warmup_iters={t.lr_warmup_iters} must be >= 0 and below the "
-                          f"decay length {which}={decay}; shorten the warm-up or lengthen the "
-                          "decay")
     if not t.weight_decay >= 0:
         raise ConfigError(f"train.weight_decay={t.weight_decay:g} must be >= 0")
 
