@@ -326,11 +326,16 @@ def test_mtp_layers_are_refused_unless_dropped(hf_source, tmp_path):
     shutil.copytree(hf_source.hf, folder)
     save_file({"model.layers.4.embed_tokens.weight": torch.zeros(2, 2)},
               str(folder / "mtp.safetensors"))
-    index = json.loads((folder / "model.safetensors.index.json").read_text()) if (
-        folder / "model.safetensors.index.json").exists() else None
-    if index is not None:
-        index["weight_map"]["model.layers.4.embed_tokens.weight"] = "mtp.safetensors"
-        (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    index_file = folder / "model.safetensors.index.json"
+    if index_file.exists():
+        index = json.loads(index_file.read_text())
+    else:  # without an index transformers (and the import) read model.safetensors alone
+        from safetensors import safe_open
+
+        with safe_open(str(folder / "model.safetensors"), "pt") as f:
+            index = {"weight_map": {k: "model.safetensors" for k in f.keys()}}
+    index["weight_map"]["model.layers.4.embed_tokens.weight"] = "mtp.safetensors"
+    index_file.write_text(json.dumps(index))
     with pytest.raises(HFImportError, match="num_nextn_predict_layers.*--drop-mtp"):
         import_hf(folder, tmp_path / "out", log=lambda _: None)
 

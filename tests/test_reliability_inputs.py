@@ -42,6 +42,11 @@ def test_weight_files_outside_the_folder_are_refused(tmp_path):
     with pytest.raises(HFSourceError, match=r"'v' -> 'linked.safetensors' resolves to .*secret.safetensors, outside"):
         HFFolder(folder)
     (folder / "model.safetensors.index.json").unlink()
+    # without an index, model.safetensors alone is read (as transformers reads the folder): the
+    # link beside it is ignored and named, never opened; without model.safetensors every
+    # *.safetensors is read, and the link is refused
+    assert HFFolder(folder).ignored == ["linked.safetensors"]
+    (folder / "model.safetensors").rename(folder / "w.safetensors")
     with pytest.raises(HFSourceError, match=r"weight file 'linked.safetensors' resolves to .*, outside"):
         HFFolder(folder)
     # Inside: plain files, and a Hugging Face cache snapshot's links into its repository's blobs.
