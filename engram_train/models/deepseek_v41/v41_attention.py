@@ -116,6 +116,17 @@ def tensor_parallel_size(tp_group) -> int:
     return dist.get_world_size(tp_group)
 
 
+def tensor_parallel_rank(tp_group) -> int:
+    """This process's rank in `tp_group` (megatron's tensor-parallel group when None)."""
+    if tp_group is not None:
+        import torch.distributed as dist
+
+        return dist.get_rank(tp_group)
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_rank()
+
+
 def _check_tensor_parallel(args, config, tp: int) -> None:
     """Tensor parallelism splits the query heads, their sinks and the output groups; it runs
     with sequence parallelism (each rank's slice gathered before the attention, ``wo_b``
@@ -334,8 +345,15 @@ class DeepseekV41Attention(nn.Module):
         return torch.einsum("bhst,tbd->sbhd", probabilities, kv.float()).to(query.dtype)
 
     def _output(self, attended: torch.Tensor, angles: torch.Tensor, valid) -> torch.Tensor:
-        """The inverse rotation, ``wo_a`` per group, ``wo_b``; padding rows 0."""
+        """The inverse rotation, ``wo_a`` per group, ``wo_b``; padding rows 0 (under tensor
+        parallelism ``wo_b`` gives the rank its sequence slice: `valid`'s slice)."""
         attended = apply_rope(attended, angles, inverse=True)
         grouped = attended.reshape(*attended.shape[:2], self.groups, -1)
         out = self.wo_b(self.wo_a(grouped).flatten(2))[0]
-        return out if valid is None else out.masked_fill(~valid.unsqueeze(-1), 0)
+        if valid is None:
+            return out
+        if self.tp > 1:
+            share = valid.shape[0] // self.tp
+            rank = tensor_parallel_rank(self.tp_group)
+            valid = valid[rank * share:(rank + 1) * share]
+        return out.masked_fill(~valid.unsqueeze(-1), 0)

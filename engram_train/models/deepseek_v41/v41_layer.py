@@ -22,9 +22,11 @@ import torch
 from torch import nn
 
 from engram_train.errors import InputError
-from engram_train.models.deepseek_v41.v41_attention import DeepseekV41Attention
+from engram_train.models.deepseek_v41.v41_attention import (
+    DeepseekV41Attention,
+    tensor_parallel_rank,
+)
 from engram_train.models.deepseek_v41.v41_csa import CSAState
-from engram_train.models.deepseek_v41.v41_documents import segments
 from engram_train.models.deepseek_v41.v41_hyper_connection import (
     DeepseekV41HyperConnection,
     collapse,
@@ -68,11 +70,7 @@ class DeepseekV41Layer(nn.Module):
         optional ``[s, b]`` packed document ids of the whole sequence (`v41_documents`).
         Under sequence parallelism `streams`, `pre` and `hash_ids` are this tensor-parallel
         rank's slice of the sequence, `valid` and `documents` the whole sequence (the attention
-        gathers the sequence; the Engram branch and the MoE take `valid`'s slice). There the
-        attention gets the padding as document 0 of `documents` (``v41_documents.segments``,
-        the form its keys, compressed runs and selection read `valid` in; its own output mask
-        would take the whole sequence's `valid` after ``wo_b`` has scattered the rows): a
-        padding row's output is then not zeroed, which reaches no other token."""
+        gathers the sequence; the Engram branch and the MoE take `valid`'s slice)."""
         if pre.dtype != torch.float32 or pre.shape != streams.shape[:-1]:
             raise InputError(f"pre must be float32 {tuple(streams.shape[:-1])}, got "
                              f"{pre.dtype} {tuple(pre.shape)}.")
@@ -82,8 +80,6 @@ class DeepseekV41Layer(nn.Module):
                 raise InputError(f"layer {self.layer_id} has an Engram branch: pass its hash_ids.")
             streams = streams + self.engram(streams, hash_ids, token_mask=local)
         mix = self.attn_hc(streams)
-        if local is not valid:  # tensor-parallel: padding as document 0 (below)
-            valid, documents = None, segments(valid, documents)
         attended, state = self.attn(self.attn_norm(collapse(streams, pre)), state, valid,
                                     documents)
         streams = expand(attended, streams, mix)
@@ -106,14 +102,3 @@ class DeepseekV41Layer(nn.Module):
                              f"{rows} x {tp} tensor-parallel ranks ([s, b] bool).")
         rank = tensor_parallel_rank(self.attn.tp_group)
         return valid[rank * rows:(rank + 1) * rows]
-
-
-def tensor_parallel_rank(tp_group) -> int:
-    """This process's rank in `tp_group` (megatron's tensor-parallel group when None)."""
-    if tp_group is not None:
-        import torch.distributed as dist
-
-        return dist.get_rank(tp_group)
-    from megatron.core import parallel_state
-
-    return parallel_state.get_tensor_model_parallel_rank()
