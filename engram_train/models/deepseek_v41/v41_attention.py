@@ -240,6 +240,7 @@ class DeepseekV41Attention(nn.Module):
         heads = (self.wq_b(query_latent)[0] if self.tp == 1 else  # input already gathered
                  F.linear(query_latent, self.wq_b.weight))
         query = apply_rope(heads.unflatten(-1, (self.num_heads, -1)), angles)
+        del heads  # [s, b, H d]: autograd keeps none of it; a long sequence's largest tensor
         kv = fake_quantize(apply_rope(self.kv_norm(self.wkv(x)), angles), "fp8", FP8_BLOCK,
                            self.quantize)
         if share is not None:
@@ -249,8 +250,8 @@ class DeepseekV41Attention(nn.Module):
                                            state, valid, segment if documents is not None
                                            else None, share)
         if self.sparse:  # keeps its inputs and one log-sum-exp per query: recomputes anyway
-            attended = self._sparse(query, kv, state, segment, share)
-            return self._output(attended, angles, valid), state
+            return self._output(self._sparse(query, kv, state, segment, share), angles,
+                                valid), state
         mask = self._mask(s, b, x.device, state, segment)
         if self.ratio:
             kv = torch.cat((kv, state.compressed_kv), dim=0)
