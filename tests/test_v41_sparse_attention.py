@@ -185,31 +185,39 @@ def test_every_layer_kind_matches_dense(one_rank, s, padded):
     assert len(grads) == len(dense_grads) > 8 and max(errors) <= TOLERANCE, max(errors)
 
 
-# --- causality ----------------------------------------------------------------------------------
+# --- the model: causality, packed documents -------------------------------------------------------
+
+
+def tiny_model(**fields):
+    """The tiny preset (Engram off, `fields` over it) in eval mode, its weights drawn from seed
+    0 away from their init (norms around 1, sinks and router biases spread): the same weights
+    for every `fields` that keeps the shapes."""
+    from engram_train.models.builder import build_gpt_model
+    from engram_train.models.deepseek_v41.v41_config import deepseek_v41_config
+    from engram_train.models.presets import model_preset
+
+    section = dict(model_preset("deepseek_v41_tiny"), use_engram=False, **fields)
+    config = deepseek_v41_config(section, dict(params_dtype=torch.float32,
+                                               perform_initialization=False))
+    model = build_gpt_model(config, 4096, 256)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(torch.rand(param.shape, generator=generator) + 0.5)
+            elif "sink" in name or "bias" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+            else:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
+    return model.eval()
+
 
 
 def test_prefix_logits_equal_the_longer_sequences(one_rank):
     """The tiny preset (all CSA2 kinds, fake quantization on): logits of the first L tokens
     alone equal those positions' logits within 200 tokens (and other tokens after them change
     nothing). Before the selections' ties were defined, L = 24 moved by 0.065."""
-    from engram_train.models.builder import build_gpt_model
-    from engram_train.models.deepseek_v41.v41_config import deepseek_v41_config
-    from engram_train.models.presets import model_preset
-
-    section = dict(model_preset("deepseek_v41_tiny"), use_engram=False)
-    config = deepseek_v41_config(section, dict(params_dtype=torch.float32,
-                                               perform_initialization=False))
-    torch.manual_seed(0)
-    model = build_gpt_model(config, 4096, 256)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.uniform_(0.5, 1.5)
-            elif "sink" in name or "bias" in name:
-                param.normal_(0, 0.5)
-            else:
-                param.normal_(0, 0.05)
-    model.eval()
+    model = tiny_model()
     generator = torch.Generator().manual_seed(3)
     ids = torch.randint(0, 4000, (1, 200), generator=generator)
     other = ids.clone()
@@ -228,28 +236,9 @@ def test_packed_documents_equal_each_document_alone(one_rank):
     that document run alone; without it the second document's logits differ (it sees the
     first). The FP8/FP4 rounding is off: its code flips turn the last bits of other GEMM shapes
     into 4e-5 now and then (measured)."""
-    from engram_train.models.builder import build_gpt_model
-    from engram_train.models.deepseek_v41.v41_config import deepseek_v41_config
-    from engram_train.models.presets import model_preset
-
     eos = 7
-    models = {}
-    for packed in (True, False):
-        section = dict(model_preset("deepseek_v41_tiny"), use_engram=False, fake_quantize=False,
-                       document_eos_id=eos if packed else None)
-        config = deepseek_v41_config(section, dict(params_dtype=torch.float32,
-                                                   perform_initialization=False))
-        torch.manual_seed(0)
-        models[packed] = build_gpt_model(config, 4096, 256).eval()
-    with torch.no_grad():
-        for name, param in models[True].named_parameters():
-            if "norm" in name:
-                param.uniform_(0.5, 1.5)
-            elif "sink" in name or "bias" in name:
-                param.normal_(0, 0.5)
-            else:
-                param.normal_(0, 0.05)
-        models[False].load_state_dict(models[True].state_dict())
+    models = {packed: tiny_model(fake_quantize=False, document_eos_id=eos if packed else None)
+              for packed in (True, False)}
     generator = torch.Generator().manual_seed(4)
     first = torch.randint(8, 4000, (1, 69), generator=generator)
     first = torch.cat((first, torch.tensor([[eos]])), dim=1)  # 70 tokens, the EOS ends it
