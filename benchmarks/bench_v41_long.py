@@ -201,11 +201,9 @@ def child_weights(a) -> None:
     """NeMo's model on the widened fields, initialised as tests/test_deepseek_v41_model.py does
     (weights moved away from their init), saved with its text config."""
     import torch
-    from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41Config
-    from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCausalLM
 
     import v41_reference as ref
-    from test_deepseek_v41_blocks import eager_experts, nemo_backend, perturb
+    from test_deepseek_v41_model import nemo_weights_moved
 
     from engram_train.engram.variant import v41_engram_args
     from engram_train.models.deepseek_v41.v41_config import V41_FIELDS, deepseek_v41_config
@@ -216,20 +214,8 @@ def child_weights(a) -> None:
     backbone = {k: v for k, v in section.items() if k in V41_FIELDS and k != "hidden_size"}
     text = ref.text_config(v41_engram_args(ours), ours.hidden_size, **backbone).to_dict()
     text.update(engram_layer_ids=[], engram_num_embeddings=[])
-    config = DeepseekV41Config(text_config=text, vision_config={"num_hidden_layers": 0})
-    torch.manual_seed(0)
-    model = DeepseekV41ForCausalLM(config, backend=nemo_backend(), tokenizer=ref.tokenizer())
-    model.initialize_weights(dtype=torch.float32)
-    with torch.no_grad():
-        for layer in model.model.layers.values():
-            layer.attn.reset_parameters(0.05)
-            layer.ffn.init_weights(torch.device("cpu"), init_std=0.05)
-            layer.attn_hc.reset_parameters(0.05)
-            layer.ffn_hc.reset_parameters(0.05)
-            eager_experts(layer.ffn)
-        model.model.embed_tokens.weight.normal_()
-        model.lm_head.weight.normal_(std=0.05)
-    perturb(model, 3)
+    model = nemo_weights_moved(text)
+    config = model.config
     torch.save({"text": text, "vocab": config.text_config.vocab_size,
                 "state": model.state_dict()}, a.weights)
     report({"vocab": config.text_config.vocab_size,

@@ -80,25 +80,14 @@ def relabel(model, vocab_order: torch.Tensor) -> None:
         model.lm_head.weight.copy_(model.lm_head.weight[vocab_order])
 
 
-def nemo_model(ids: torch.Tensor, targets: torch.Tensor, engram: bool, relabeled: bool = False):
-    """NeMo's model on the tiny preset's fields (the same names), its logits and the gradients
-    of the mean cross entropy; `relabeled`: the same model relabeled (`relabel`), the logits
-    in the original order (the experts', the gate's and the output layer's gradients not)."""
+def nemo_weights_moved(text: dict):
+    """NeMo's ``DeepseekV41ForCausalLM`` of the text config `text` (inside ``ref.side()``),
+    initialised as NeMo does (``initialize_weights``), then its weights moved away from their
+    init from seed 0 (norms, sinks, mHC, the router's correction biases; logits of order 1)."""
     from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41Config
     from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCausalLM
 
-    from engram_train.engram.variant import v41_engram_args
-    from engram_train.models.deepseek_v41.v41_config import V41_FIELDS
-
-    ours = tiny_config(engram=True)  # the Engram fields, also when NeMo's are dropped
-    backbone = {k: v for k, v in tiny_model_section().items()
-                if k in V41_FIELDS and k != "hidden_size"}
-    # the Engram fields under V4.1's names (engram/variant.py's map), rows the primes' sums
-    text = ref.text_config(v41_engram_args(ours), ours.hidden_size, **backbone).to_dict()
-    if not engram:
-        text.update(engram_layer_ids=[], engram_num_embeddings=[])
     config = DeepseekV41Config(text_config=text, vision_config={"num_hidden_layers": 0})
-    vocab = config.text_config.vocab_size
     torch.manual_seed(0)
     model = DeepseekV41ForCausalLM(config, backend=nemo_backend(), tokenizer=ref.tokenizer())
     model.initialize_weights(dtype=torch.float32)  # construction leaves torch.empty storage
@@ -118,6 +107,25 @@ def nemo_model(ids: torch.Tensor, targets: torch.Tensor, engram: bool, relabeled
                 layer.engram.q_weight.uniform_(0.5, 1.5)
                 layer.engram.k_weight.uniform_(-1.5, 1.5)
     perturb(model, 3)
+    return model
+
+
+def nemo_model(ids: torch.Tensor, targets: torch.Tensor, engram: bool, relabeled: bool = False):
+    """NeMo's model on the tiny preset's fields (the same names), its logits and the gradients
+    of the mean cross entropy; `relabeled`: the same model relabeled (`relabel`), the logits
+    in the original order (the experts', the gate's and the output layer's gradients not)."""
+    from engram_train.engram.variant import v41_engram_args
+    from engram_train.models.deepseek_v41.v41_config import V41_FIELDS
+
+    ours = tiny_config(engram=True)  # the Engram fields, also when NeMo's are dropped
+    backbone = {k: v for k, v in tiny_model_section().items()
+                if k in V41_FIELDS and k != "hidden_size"}
+    # the Engram fields under V4.1's names (engram/variant.py's map), rows the primes' sums
+    text = ref.text_config(v41_engram_args(ours), ours.hidden_size, **backbone).to_dict()
+    if not engram:
+        text.update(engram_layer_ids=[], engram_num_embeddings=[])
+    model = nemo_weights_moved(text)
+    vocab = model.config.text_config.vocab_size
     restore = torch.arange(vocab)
     if relabeled:
         order = torch.randperm(vocab, generator=torch.Generator().manual_seed(1))
