@@ -292,7 +292,7 @@ class DeepseekV41Attention(nn.Module):
             kv = fake_quantize(apply_rope(latent, compressed_angles), "nvfp4", NVFP4_BLOCK,
                                self.quantize)
             if share is not None:
-                kv = share.gather_runs(kv, self.ratio)
+                kv = share.gather(kv, self.ratio)
             run_valid = None
             if valid is not None:
                 run_valid = valid[: runs * self.ratio].unflatten(0, (runs, self.ratio)).all(1)

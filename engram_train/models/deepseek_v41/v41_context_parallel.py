@@ -1,5 +1,5 @@
 """Context parallelism for DeepSeek-V4.1: each CP rank holds megatron's zigzag share of the
-sequence (`parallel.context.zigzag_positions`: chunks ``r`` and ``2 CP - 1 - r`` of ``2 CP``)
+sequence (``parallel.context.zigzag_positions``: chunks ``r`` and ``2 CP - 1 - r`` of ``2 CP``)
 and computes its own queries; the keys come from every rank.
 
 What crosses the CP group per layer, gathered along the sequence and put back in global order
@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from engram_train.errors import InputError
+from engram_train.parallel.context import zigzag_positions
 
 
 @dataclass
@@ -41,10 +42,10 @@ class ContextShare:
     order: torch.Tensor
     """Global order of the all-gathered tokens (rank 0's, rank 1's, ...)."""
 
-    def pieces(self) -> list[tuple[int, int]]:
+    def pieces(self) -> list[tuple[int, int, int]]:
         """``(local start, global start, length)`` of the local runs of consecutive positions."""
         chunk = self.length // (2 * self.size)
-        return [(0, int(self.positions[0]), chunk), (chunk, int(self.positions[chunk]), chunk)]
+        return [(0, self.position_of(0), chunk), (chunk, self.position_of(chunk), chunk)]
 
     def position_of(self, index: int) -> int:
         """The global position of local token `index` (host arithmetic, no device read)."""
@@ -53,27 +54,16 @@ class ContextShare:
             return self.rank * chunk + index
         return (2 * self.size - 1 - self.rank) * chunk + index - chunk
 
-    def gather(self, local: torch.Tensor) -> torch.Tensor:
-        """``[s_local, ...]`` -> ``[length, ...]`` in global order (gradients go back)."""
+    def gather(self, local: torch.Tensor, ratio: int = 1) -> torch.Tensor:
+        """``[s_local / ratio, ...]``, the local tokens or their compressed runs of `ratio`
+        (each piece's runs whole: `check_runs`) -> ``[length / ratio, ...]`` in global order
+        (gradients go back)."""
         from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
         gathered = gather_from_sequence_parallel_region(local.contiguous(), True, self.group)
-        return gathered.index_select(0, self.order)
-
-    def gather_runs(self, local: torch.Tensor, ratio: int) -> torch.Tensor:
-        """``[s_local / ratio, ...]`` compressed runs -> ``[length / ratio, ...]`` in global
-        run order (each piece's runs are whole: `check_runs`)."""
-        from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
-
-        runs = self.order_of_runs(ratio)
-        gathered = gather_from_sequence_parallel_region(local.contiguous(), True, self.group)
-        return gathered.index_select(0, runs)
-
-    def order_of_runs(self, ratio: int) -> torch.Tensor:
-        chunk = self.length // (2 * self.size)
-        runs = [_zigzag(self.length // ratio, self.size, r, chunk // ratio, self.positions.device)
-                for r in range(self.size)]
-        return torch.argsort(torch.cat(runs))
+        order = (self.order if ratio == 1 else
+                 global_order(self.length // ratio, self.size, gathered.device))
+        return gathered.index_select(0, order)
 
     def check_runs(self, ratio: int) -> None:
         chunk = self.length // (2 * self.size)
@@ -84,12 +74,11 @@ class ContextShare:
                              f"of 2 x CP x {ratio} = {2 * self.size * ratio}.")
 
 
-def _zigzag(length: int, size: int, rank: int, chunk: int, device) -> torch.Tensor:
-    first = torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
-    second = torch.arange((2 * size - 1 - rank) * chunk, (2 * size - rank) * chunk,
-                          device=device)
-    del length
-    return torch.cat((first, second))
+def global_order(length: int, size: int, device) -> torch.Tensor:
+    """The order that puts the all-gathered zigzag shares of a sequence of `length` (rank 0's,
+    rank 1's, ...) back into the sequence's order."""
+    shares = torch.cat([zigzag_positions(length, size, rank) for rank in range(size)])
+    return torch.argsort(shares).to(device)
 
 
 def context_share(local_length: int, device) -> ContextShare | None:
@@ -106,11 +95,10 @@ def context_share(local_length: int, device) -> ContextShare | None:
     if local_length % 2:
         raise InputError(f"a context-parallel share of {local_length} tokens is not two equal "
                          "chunks: seq_length must be a multiple of 2 x context_parallel_size.")
-    rank = parallel_state.get_context_parallel_rank()
-    length, chunk = local_length * size, local_length // 2
-    everyone = torch.cat([_zigzag(length, size, r, chunk, device) for r in range(size)])
+    rank, length = parallel_state.get_context_parallel_rank(), local_length * size
     return ContextShare(parallel_state.get_context_parallel_group(), size, rank, length,
-                        _zigzag(length, size, rank, chunk, device), torch.argsort(everyone))
+                        zigzag_positions(length, size, rank).to(device),
+                        global_order(length, size, device))
 
 
 def whole_sequence_ids(input_ids: torch.Tensor, share: ContextShare) -> torch.Tensor:

@@ -240,7 +240,7 @@ class DeepseekV41Indexer(nn.Module):
         if self.owns_keys:
             keys = self.keys(latent, compressed_angles)
             if share is not None:
-                keys = share.gather_runs(keys, state.compression_ratio)
+                keys = share.gather(keys, state.compression_ratio)
         if keys is None:
             raise InputError("a reindex layer needs the index keys of a full layer before it "
                              "(pass the state the previous layer returned).")
@@ -270,8 +270,7 @@ class DeepseekV41Indexer(nn.Module):
                 firsts = firsts.index_select(0, positions)
         for q0 in range(0, s, block):
             q1 = min(s, q0 + block)
-            last = None if share is None else max(share.position_of(q0),
-                                                  share.position_of(q1 - 1))
+            last = None if share is None else share.position_of(q1 - 1)  # ascending
             scores, visible = self.block_scores(queries, weights, keys, state, q0, q1,
                                                 documents, positions, last)
             if scores.shape[-1] == 0:
