@@ -113,7 +113,7 @@ def sparse(config) -> bool:
 
 
 def attention_per_token(config, layer: int, h: int, h_full: int, tp: int, a: int,
-                        seq_length: int | None = None, cp: int = 1) -> int:
+                        seq_length: int, cp: int) -> int:
     """Bytes per local token; under context parallelism (`cp`) the K=V and the compressed keys
     the core keeps are the whole sequence's (gathered), `cp` times the local tokens'."""
     args = _args(config)
@@ -133,7 +133,7 @@ def attention_per_token(config, layer: int, h: int, h_full: int, tp: int, a: int
         if layer in args.kv_source_layer_ids:
             out += 2 * 4 * d
         if layer in args.index_source_layer_ids:  # the int64 selection the core keeps
-            out += SELECTION_BYTES * min(args.index_topk, layout_keys(args, ratio, seq_length))
+            out += SELECTION_BYTES * min(args.index_topk, seq_length // ratio)
     if a < 4:  # float32 copies a float32 forward does not make (measured, module docstring)
         out += BF16_ATTENTION_HD * heads * d + BF16_ATTENTION_D * d + (BF16_COMPRESSED_D * d if own_keys else 0)
     return out
@@ -211,7 +211,7 @@ def attention_transient(config, layout, layer: int, a: int) -> int:
     ratio = args.compress_ratios[layer]
     b, s = layout.micro_batch_size, layout.seq_length
     heads, d, window = args.num_attention_heads // layout.tp, args.head_dim, args.sliding_window
-    k = min(args.index_topk, layout_keys(args, ratio, s)) if ratio else 0
+    k = min(args.index_topk, s // ratio) if ratio else 0
     block = query_block(b, heads, window, k, s // layout.cp)
     # the query's gradient for the rank's tokens, the keys' for the whole (gathered) sequence
     whole = b * (s // layout.cp * heads * d + s * (d + (d // ratio if ratio else 0)))
@@ -229,12 +229,6 @@ def cpu_scores_per_layer(config, layout, layer: int) -> int:
     keys = layout.seq_length + (layout.seq_length // ratio if ratio else 0)
     heads = args.num_attention_heads // layout.tp
     return 2 * layout.micro_batch_size * heads * (layout.seq_length // layout.cp) * keys * 4
-
-
-def layout_keys(args, ratio: int, seq_length: int | None = None) -> int:
-    """Compressed keys of a sequence (``index_topk`` when the length is not known: the
-    selection is at most that wide)."""
-    return args.index_topk if seq_length is None else seq_length // ratio
 
 
 def logits_bytes_per_entry(a: int) -> int:
