@@ -1,6 +1,7 @@
 """The DeepSeek-V4.1 model (``models/deepseek_v41/v41_model.py``, preset
 ``deepseek_v41_tiny``) against NeMo Automodel 0.7.0's ``DeepseekV41ForCausalLM`` with the same
-weights, float32 on the CPU: logits within 1e-5 (max abs, logits of order 1) and every
+weights (its MoE applying the routing weights after ``w2``, as ours: `weight_after_down`),
+float32 on the CPU: logits within 1e-5 (max abs, logits of order 1) and every
 parameter's first gradient within 1e-5 of its largest entry. mHC's `scale` vectors are held to
 NeMo's own spread instead: NeMo against itself relabeled (experts reversed, output rows
 permuted: the same forward bits, other float32 sums in the backward) differs by more than 1e-5
@@ -110,6 +111,16 @@ def nemo_weights_moved(text: dict):
     return model
 
 
+def weight_after_down(model) -> None:
+    """NeMo's MoE with its ``apply_router_weight_after_down`` (ours: each expert's output times
+    its routing weight in float32, so that the weights stay out of the expert-parallel
+    exchange; NeMo's default multiplies the SwiGLU before ``w2``: the same function, other
+    float32 roundings, which move the Engram model's embedding gradient by 1.4e-5 of its
+    largest entry, past GRADIENT_TOLERANCE, and the backbone's gradients by 1e-6)."""
+    for layer in model.model.layers.values():
+        layer.ffn.experts.config.apply_router_weight_after_down = True
+
+
 def nemo_model(ids: torch.Tensor, targets: torch.Tensor, engram: bool, relabeled: bool = False):
     """NeMo's model on the tiny preset's fields (the same names), its logits and the gradients
     of the mean cross entropy; `relabeled`: the same model relabeled (`relabel`), the logits
@@ -125,6 +136,7 @@ def nemo_model(ids: torch.Tensor, targets: torch.Tensor, engram: bool, relabeled
     if not engram:
         text.update(engram_layer_ids=[], engram_num_embeddings=[])
     model = nemo_weights_moved(text)
+    weight_after_down(model)
     vocab = model.config.text_config.vocab_size
     restore = torch.arange(vocab)
     if relabeled:

@@ -4,11 +4,11 @@
 
 Each rank has its own tokens (as under sequence parallelism). Per rank:
 
-- ``bytes``: one bf16 forward and backward of the EP experts with ``all_to_all_single``
-  recorded: bytes of each row exchange (the dispatch's input and output, the return's),
-  the pairs this rank sent and received, the count exchanges; ``host_reads`` the calls of
-  ``host_counts``; ``output_equal_one_process`` the output against the one-process experts
-  (all experts) on the EP group's tokens;
+- ``bytes``: per dtype (bf16, float32), one forward and backward of the EP experts with
+  ``all_to_all_single`` recorded: bytes of each row exchange (the dispatch's input and output,
+  the return's), the pairs this rank sent and received, the count exchanges; ``host_reads``
+  the calls of ``host_counts``; ``output_equal_one_process`` the output against the
+  one-process experts (all experts) on the EP group's tokens;
 - ``balance``: a router with ``moe_router_bias_update_rate`` routes this rank's tokens in
   training, ``after_optimizer_step`` updates its bias; compared with the one-process update
   on all 4 ranks' tokens and with megatron's ``get_updated_expert_bias`` on the same loads;
@@ -37,18 +37,18 @@ def rank_tokens(rank: int, dtype=torch.float32) -> torch.Tensor:
     return torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(100 + rank)).to(dtype)
 
 
-def dispatch_bytes(rank: int) -> dict:
+def dispatch_bytes(rank: int, dtype: torch.dtype) -> dict:
     from engram_train.models.deepseek_v41 import v41_expert_parallel
     from engram_train.models.deepseek_v41.v41_moe import DeepseekV41Experts, expert_parallel_group
 
     group = expert_parallel_group()
     members = dist.get_process_group_ranks(group)
     g = torch.Generator().manual_seed(7)
-    reference = DeepseekV41Experts(SPEC, dtype=torch.bfloat16)
+    reference = DeepseekV41Experts(SPEC, dtype=dtype)
     with torch.no_grad():
         for w in (reference.w1, reference.w3, reference.w2):
             w.copy_(torch.randn(w.shape, generator=g) * 0.3)
-    ep = DeepseekV41Experts(SPEC, dtype=torch.bfloat16, ep_group=group)
+    ep = DeepseekV41Experts(SPEC, dtype=dtype, ep_group=group)
     own = slice(ep.first, ep.first + ep.num_local)
     with torch.no_grad():
         for name in ("w1", "w3", "w2"):
@@ -57,7 +57,7 @@ def dispatch_bytes(rank: int) -> dict:
     def inputs(r):
         gen = torch.Generator().manual_seed(200 + r)
         chosen = torch.stack([torch.randperm(EXPERTS, generator=gen)[:TOP_K] for _ in range(TOKENS)])
-        return rank_tokens(r, torch.bfloat16), torch.rand(TOKENS, TOP_K, generator=gen), chosen
+        return rank_tokens(r, dtype), torch.rand(TOKENS, TOP_K, generator=gen), chosen
 
     calls, reads = [], []
     real_all_to_all, real_reads = dist.all_to_all_single, v41_expert_parallel.host_counts
@@ -93,7 +93,9 @@ def dispatch_bytes(rank: int) -> dict:
         "backward_out": back_rows[0][1], "backward_back": back_rows[1][2],
         "row_exchanges": len(rows) + len(back_rows),
         "count_exchanges": len([c for c in forward + backward if c[0] == 1]),
-    }, len(reads), torch.equal(out, expected[mine * TOKENS:(mine + 1) * TOKENS])
+        "host_reads": len(reads),
+        "output_equal_one_process": torch.equal(out, expected[mine * TOKENS:(mine + 1) * TOKENS]),
+    }
 
 
 def balance(rank: int, world: int) -> dict:
@@ -143,8 +145,8 @@ def main() -> None:
 
     initialize_distributed(ParallelSizes(tensor=2, expert=2))
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    result, reads, equal = dispatch_bytes(rank)
-    write_result(args.out, {"bytes": result, "host_reads": reads, "output_equal_one_process": equal,
+    write_result(args.out, {"bytes": {name: dispatch_bytes(rank, dtype) for name, dtype in
+                                      (("bf16", torch.bfloat16), ("float32", torch.float32))},
                             "balance": balance(rank, world),
                             "routed_expert_numel": routed_expert_numel()})
 

@@ -2,30 +2,33 @@
 checkpoint view (``v41_moe.DeepseekV41Experts``).
 
 The dispatch is an all-to-all, as megatron's token dispatcher. The routed pairs leave sorted
-by expert (`v41_grouped_experts.route`: token order within each expert), so they are already
-grouped by destination rank. Per MoE layer:
+by expert (`v41_grouped_experts.route`: token order within each expert), which is the order
+(destination rank, local expert), so they are already grouped by destination rank. Per MoE
+layer:
 
-1. the per-expert counts go to the experts' ranks in one small all-to-all, and the counts of
-   both ways are read to the host once (`v41_grouped_experts.host_counts`): the exchange
-   splits and the local experts' counts;
-2. ONE all-to-all of ``[pairs, hidden + c]`` rows in the model dtype: the token's hidden row
-   gathered straight into the send buffer and its float32 routing weight bit-packed into
-   ``c = 4 / itemsize`` columns (2 under bf16, 1 under float32); the expert ids are not sent
-   (the receiver knows them from the counts); one gather regroups the received pairs by local
-   expert (source rank, then token order within an expert: one process's order over the EP
-   group's tokens);
-3. the experts' outputs in the model dtype (float32 accumulation inside the GEMMs) go back by
-   the reverse all-to-all, ``[pairs, hidden]``, and each token adds its contributions in
-   float32 in ascending expert order (`v41_grouped_experts.combine`), as in one process.
+1. the per-expert counts (``experts`` ints, not per pair) go to the experts' ranks in one
+   small all-to-all, and the counts of both ways are read to the host once
+   (`v41_grouped_experts.host_counts`): the exchange splits and the local experts' counts;
+2. ONE all-to-all of ``[pairs, hidden]`` rows in the model dtype, each token's hidden row
+   gathered straight into the send buffer; nothing else travels: the receiver knows each
+   row's local expert from the counts, and the routing weights stay on their tokens' rank.
+   One gather regroups the received pairs by local expert (source rank, then token order
+   within an expert: one process's order over the EP group's tokens);
+3. the experts' unweighted outputs in the model dtype (float32 accumulation inside the GEMMs)
+   go back by the reverse all-to-all, ``[pairs, hidden]``, and each token adds its
+   contributions times their routing weights in float32 in ascending expert order
+   (`v41_grouped_experts.combine`), as in one process.
 
-Bytes per routed pair and direction: ``(hidden + c) x itemsize`` out (``2 hidden + 4`` under
-bf16), ``hidden x itemsize`` back (``2 hidden``), as megatron's all-to-all dispatcher (rows and
-float32 probabilities out, rows back); the backward the same, reversed. Each exchange's adjoint
-is the reverse exchange, in one autograd node per direction, so every rank runs the backward
-exchanges in the same order, one that received or sent no pair included. A rank's expert
-weights see the tokens of the whole EP group, as under megatron's dispatchers: their gradient
-is that of the EP group's loss, which DDP reduces over the expert data-parallel group only
-(``allreduce = False``).
+Bytes per routed pair and direction: ``hidden x itemsize`` both ways (``2 hidden`` under bf16,
+``4 hidden`` under float32), the backward the same, reversed: the rows' gradient goes back
+in the model dtype, and the routing weights' gradient is computed where the weights are, from
+the returned rows the combine keeps (as megatron's unpermute with probabilities keeps the
+permuted tokens). megatron's all-to-all dispatcher sends the rows and float32 probabilities
+out (``2 hidden + 4``). Each exchange's adjoint is the reverse exchange, in one autograd node
+per direction, so every rank runs the backward exchanges in the same order, one that received
+or sent no pair included. A rank's expert weights see the tokens of the whole EP group, as
+under megatron's dispatchers: their gradient is that of the EP group's loss, which DDP reduces
+over the expert data-parallel group only (``allreduce = False``).
 """
 
 from __future__ import annotations
@@ -45,26 +48,6 @@ def _exchange(x: torch.Tensor, send_splits: list[int], recv_splits: list[int], g
     return out
 
 
-def weight_columns(dtype: torch.dtype) -> int:
-    """Columns of `dtype` that carry one float32 routing weight in the exchanged rows."""
-    size = torch.empty((), dtype=dtype).element_size()
-    return 1 if size >= 4 else 4 // size
-
-
-def _pack(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """float32 ``[n]`` -> ``[n, weight_columns(dtype)]`` of `dtype` (exact both ways)."""
-    weight = weight.float().contiguous()
-    if torch.empty((), dtype=dtype).element_size() >= 4:
-        return weight.to(dtype)[:, None]
-    return weight.view(dtype).view(weight.shape[0], weight_columns(dtype))
-
-
-def _unpack(cols: torch.Tensor) -> torch.Tensor:
-    if cols.element_size() >= 4:
-        return cols[:, 0].float()
-    return cols.contiguous().view(torch.float32).view(-1)
-
-
 @dataclass
 class Transfer:
     """One layer's exchange plan: the routed pairs (`Routing`), the per-rank splits both ways,
@@ -80,31 +63,24 @@ class Transfer:
 
 
 class _Dispatch(torch.autograd.Function):
-    """Rows and routing weights to the experts' ranks in one all-to-all (module docstring)."""
+    """The routed pairs' rows to the experts' ranks in one all-to-all (module docstring)."""
 
     @staticmethod
-    def forward(ctx, x, pair_weights, transfer, comm):
-        token = transfer.routing.token
-        h, c = x.shape[1], weight_columns(x.dtype)
-        send = x.new_empty(token.shape[0], h + c)
-        torch.index_select(x, 0, token, out=send[:, :h])
-        send[:, h:] = _pack(pair_weights, x.dtype)
+    def forward(ctx, x, transfer, comm):
+        send = x.index_select(0, transfer.routing.token)
         recv = _exchange(send, transfer.send_splits, transfer.recv_splits, comm)
-        ctx.save_for_backward(token, transfer.group, transfer.ungroup)
+        ctx.save_for_backward(transfer.routing.token, transfer.ungroup)
         ctx.meta = (x.shape, x.dtype, transfer.send_splits, transfer.recv_splits, comm)
-        return recv[:, :h].index_select(0, transfer.group), _unpack(recv[:, h:])[transfer.group]
+        return recv.index_select(0, transfer.group)
 
     @staticmethod
-    def backward(ctx, grad_rows, grad_weights):
-        token, group, ungroup = ctx.saved_tensors
+    def backward(ctx, grad_rows):
+        token, ungroup = ctx.saved_tensors
         shape, dtype, send_splits, recv_splits, comm = ctx.meta
-        h, c = shape[1], weight_columns(dtype)
-        back = grad_rows.new_empty(grad_rows.shape[0], h + c)
-        torch.index_select(grad_rows.to(dtype), 0, ungroup, out=back[:, :h])
-        back[:, h:] = _pack(grad_weights[ungroup], dtype)
+        back = grad_rows.to(dtype).index_select(0, ungroup)
         sent = _exchange(back, recv_splits, send_splits, comm)
-        grad_x = sent.new_zeros(shape, dtype=torch.float32).index_add_(0, token, sent[:, :h].float())
-        return grad_x.to(dtype), _unpack(sent[:, h:]), None, None
+        grad_x = sent.new_zeros(shape, dtype=torch.float32).index_add_(0, token, sent.float())
+        return grad_x.to(dtype), None, None
 
 
 class _Return(torch.autograd.Function):
@@ -155,18 +131,16 @@ class ExpertParallelDispatch:
         ungroup[group] = torch.arange(total, device=device)
         return Transfer(routing, send_splits, recv_splits, local_counts, group, ungroup)
 
-    def send(self, x: torch.Tensor, weights: torch.Tensor, transfer: Transfer):
-        """``x [tokens, hidden]``, the router's ``weights [tokens, k]`` (differentiable) -> the
-        rows this rank's experts serve and their float32 routing weights, grouped by local
+    def send(self, x: torch.Tensor, transfer: Transfer) -> torch.Tensor:
+        """``x [tokens, hidden]`` -> the rows this rank's experts serve, grouped by local
         expert (``transfer.local_counts`` each)."""
-        pair_weights = transfer.routing.pair_weights(weights)
         if self.size == 1:
-            return gather_rows(x, transfer.routing.token), pair_weights
-        return _Dispatch.apply(x, pair_weights, transfer, self.group)
+            return gather_rows(x, transfer.routing.token)
+        return _Dispatch.apply(x, transfer, self.group)
 
     def receive(self, contributions: torch.Tensor, transfer: Transfer) -> torch.Tensor:
         """The experts' outputs (grouped by local expert) -> this rank's pairs, in its send
-        order (expert order), for `v41_grouped_experts.combine`."""
+        order (expert order), for `v41_grouped_experts.combine` with their routing weights."""
         if self.size == 1:
             return contributions
         return _Return.apply(contributions, transfer, self.group)

@@ -10,15 +10,17 @@ One routing pass per layer, no per-expert scan:
   counts both ways of the exchange, in one ``tolist``).
 - `grouped_swiglu`: the clamped SwiGLU experts on the expert-sorted rows: ``torch._grouped_mm``
   where the device has it (CUDA, bf16, 16-byte aligned widths), else a loop over the contiguous
-  slices (the counts already on the host); the routing weight multiplies the float32 SwiGLU
-  before ``w2``, the input of ``w2`` is rounded to the model dtype once; the output is in the
-  model dtype (the GEMMs accumulate in float32).
-- `combine`: each token's contributions added in float32 in ascending expert order (the
-  order of one process's loop over its experts) by k gathers, no atomics (deterministic on
-  every device); its backward is one gather.
+  slices (the counts already on the host); the float32 SwiGLU is rounded to the model dtype
+  once, as the input of ``w2``; the output is in the model dtype (the GEMMs accumulate in
+  float32). The experts never see the routing weights.
+- `combine`: each token's contributions times their routing weights, added in float32 in
+  ascending expert order (the order of one process's loop over its experts) by k gathers, no
+  atomics (deterministic on every device); its backward is one gather, and the routing
+  weights' gradient is each pair's float32 dot product of the token's gradient with the
+  pair's contribution (so under expert parallelism the weights stay on their tokens' rank).
 
 `reference_routed_experts` is the earlier loop (one ``torch.where`` per expert, three GEMMs per
-expert, ``index_add_`` per expert): the oracle of tests/test_v41_experts.py and the baseline of
+expert, ``index_add_`` per expert; the routing weight applied to ``w2``'s output, as here): the oracle of tests/test_v41_experts.py and the baseline of
 benchmarks/bench_v41_moe.py.
 """
 
@@ -92,20 +94,20 @@ def _grouped_mm_fits(rows: torch.Tensor, *weights: torch.Tensor) -> bool:
                for w in weights)
 
 
-def grouped_swiglu(rows: torch.Tensor, weight: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
-                   w2: torch.Tensor, counts: list[int], limit: float) -> torch.Tensor:
+def grouped_swiglu(rows: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
+                   counts: list[int], limit: float) -> torch.Tensor:
     """Experts ``w1``/``w3`` ``[experts, inter, hidden]``, ``w2`` ``[experts, hidden, inter]``
-    on ``rows [pairs, hidden]`` sorted by expert (``counts[e]`` rows each) with their float32
-    routing ``weight [pairs]`` -> ``[pairs, hidden]`` in the rows' dtype."""
+    on ``rows [pairs, hidden]`` sorted by expert (``counts[e]`` rows each) -> ``[pairs, hidden]``
+    in the rows' dtype (unweighted: `combine` applies the routing weights)."""
     if not rows.shape[0]:  # no pair: an empty block that keeps the rows in the graph
         return rows * 0
     if _grouped_mm_fits(rows, w1, w3, w2):
         offs = torch.cumsum(torch.tensor(counts, device=rows.device), 0).to(torch.int32)
         gate = torch._grouped_mm(rows, w1.transpose(-2, -1), offs=offs)
         up = torch._grouped_mm(rows, w3.transpose(-2, -1), offs=offs)
-        hidden = (clamped_swiglu(gate, up, limit) * weight[:, None]).to(rows.dtype)
+        hidden = clamped_swiglu(gate, up, limit).to(rows.dtype)
         return torch._grouped_mm(hidden, w2.transpose(-2, -1), offs=offs)
-    return _SlicedExperts.apply(rows, weight, w1, w3, w2, counts, limit)
+    return _SlicedExperts.apply(rows, w1, w3, w2, counts, limit)
 
 
 def _slices(counts: list[int]):
@@ -132,7 +134,7 @@ class _SlicedExperts(torch.autograd.Function):
     expert); it keeps the GEMMs' outputs ``gate`` and ``up`` and recomputes the rest."""
 
     @staticmethod
-    def forward(ctx, rows, weight, w1, w3, w2, counts, limit):
+    def forward(ctx, rows, w1, w3, w2, counts, limit):
         pairs, inter = rows.shape[0], w1.shape[1]
         gate, up = rows.new_empty(pairs, inter), rows.new_empty(pairs, inter)
         out = rows.new_empty(pairs, w2.shape[1])
@@ -140,29 +142,24 @@ class _SlicedExperts(torch.autograd.Function):
             torch.mm(rows[part], w1[e].t(), out=gate[part])
             torch.mm(rows[part], w3[e].t(), out=up[part])
             g, u, silu = _swiglu_parts(gate[part], up[part], limit)
-            hidden = (silu * u * weight[part][:, None]).to(rows.dtype)
+            hidden = (silu * u).to(rows.dtype)
             torch.mm(hidden, w2[e].t(), out=out[part])
-        ctx.save_for_backward(rows, weight, w1, w3, w2, gate, up)
+        ctx.save_for_backward(rows, w1, w3, w2, gate, up)
         ctx.counts, ctx.limit = counts, limit
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        rows, weight, w1, w3, w2, gate, up = ctx.saved_tensors
+        rows, w1, w3, w2, gate, up = ctx.saved_tensors
         limit, dtype = ctx.limit, rows.dtype
         grad_rows = torch.empty_like(rows)
-        grad_weight = torch.empty_like(weight)
         grads = [torch.zeros_like(w) if w.requires_grad else None for w in (w1, w3, w2)]
         for e, part in _slices(ctx.counts):
             g, u, silu = _swiglu_parts(gate[part], up[part], limit)
-            swiglu = silu * u
-            hidden = (swiglu * weight[part][:, None]).to(dtype)
             ge = grad[part].to(dtype)
             if grads[2] is not None:
-                torch.mm(ge.t(), hidden, out=grads[2][e])
-            d_act = (ge @ w2[e]).float()
-            grad_weight[part] = (d_act * swiglu).sum(dim=1)
-            d_swiglu = d_act * weight[part][:, None]
+                torch.mm(ge.t(), (silu * u).to(dtype), out=grads[2][e])
+            d_swiglu = (ge @ w2[e]).float()
             d_up = d_swiglu * silu
             d_gate = torch.ops.aten.silu_backward(d_swiglu * u, g)
             if limit > 0:  # clamp's gradient: where the input was inside the bounds
@@ -174,38 +171,45 @@ class _SlicedExperts(torch.autograd.Function):
             if grads[0] is not None:
                 torch.mm(d_gate.t(), rows[part], out=grads[0][e])
                 torch.mm(d_up.t(), rows[part], out=grads[1][e])
-        return grad_rows, grad_weight, *grads, None, None
+        return grad_rows, *grads, None, None
 
 
 class _Combine(torch.autograd.Function):
-    """``[pairs, hidden]`` contributions in expert order -> float32 ``[tokens, hidden]``."""
+    """``[pairs, hidden]`` contributions in expert order and their float32 routing weights
+    ``[pairs]`` -> float32 ``[tokens, hidden]`` (`combine`)."""
 
     @staticmethod
-    def forward(ctx, contributions, position, token, full):
-        ctx.save_for_backward(token)
-        ctx.dtype = contributions.dtype
+    def forward(ctx, contributions, weight, position, token, full):
+        ctx.save_for_backward(contributions, weight, token)
         out = contributions.new_zeros(position.shape[0], contributions.shape[1], dtype=torch.float32)
         if not contributions.shape[0]:
             return out
         for j in range(position.shape[1]):  # ascending expert order per token
             p = position[:, j]
             if full:
-                out += contributions.index_select(0, p)
+                out += contributions.index_select(0, p) * weight.index_select(0, p)[:, None]
             else:
-                part = contributions.index_select(0, p.clamp(min=0))
+                q = p.clamp(min=0)
+                part = contributions.index_select(0, q) * weight.index_select(0, q)[:, None]
                 out += part.masked_fill_(p[:, None] < 0, 0)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        (token,) = ctx.saved_tensors
-        return grad.index_select(0, token).to(ctx.dtype), None, None, None
+        contributions, weight, token = ctx.saved_tensors
+        grad_pairs = grad.index_select(0, token)  # float32 [pairs, hidden]
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = (grad_pairs * contributions).sum(dim=1)
+        grad_contributions = grad_pairs.mul_(weight[:, None]).to(contributions.dtype)
+        return grad_contributions, grad_weight, None, None, None
 
 
-def combine(contributions: torch.Tensor, routing: Routing) -> torch.Tensor:
+def combine(contributions: torch.Tensor, weight: torch.Tensor, routing: Routing) -> torch.Tensor:
     """Each token's contributions (``[pairs, hidden]`` in expert order, as `route` sorted them)
-    added in float32 in ascending expert order: ``[tokens, hidden]`` float32."""
-    return _Combine.apply(contributions, routing.position, routing.token, routing.full)
+    times their float32 routing ``weight [pairs]``, added in float32 in ascending expert order:
+    ``[tokens, hidden]`` float32."""
+    return _Combine.apply(contributions, weight, routing.position, routing.token, routing.full)
 
 
 class _GatherRows(torch.autograd.Function):
@@ -236,7 +240,6 @@ def reference_routed_experts(x: torch.Tensor, weights: torch.Tensor, chosen: tor
     for expert in torch.unique(chosen[chosen >= 0]).tolist():
         token, slot = torch.where(chosen == expert)
         xe = x[token]
-        hidden = clamped_swiglu(xe @ w1[expert].t(), xe @ w3[expert].t(), limit)
-        hidden = (hidden * weights[token, slot][:, None]).to(xe.dtype)
-        out.index_add_(0, token, (hidden @ w2[expert].t()).float())
+        hidden = clamped_swiglu(xe @ w1[expert].t(), xe @ w3[expert].t(), limit).to(xe.dtype)
+        out.index_add_(0, token, (hidden @ w2[expert].t()) * weights[token, slot][:, None])
     return out.to(x.dtype)

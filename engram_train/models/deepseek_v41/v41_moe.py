@@ -6,12 +6,15 @@ Per token x (``[tokens, hidden]``; any leading dims flatten into tokens)::
     p      = sqrt(softplus(x @ gate.T))              # float32, [experts]
     top    = topk(p + e_score_correction_bias, k)    # the bias picks, it never weighs
     w      = routed_scaling_factor * p[top] / (sum(p[top]) + 1e-20)   # k > 1 and norm_topk_prob
-    y      = sum_{e in top} expert_e(x, w_e) + shared(x)
-    expert(x, w) = w2((silu(min(x w1^T, L)) * clamp(x w3^T, -L, L)) * w)   # L = swiglu_limit
+    y      = sum_{e in top} w_e * expert_e(x) + shared(x)
+    expert(x) = w2(silu(min(x w1^T, L)) * clamp(x w3^T, -L, L))   # L = swiglu_limit
 
-The SwiGLU runs in float32 (the routing weight applied before ``w2``, in float32 too) and is
-rounded to the model dtype once before ``w2``; the routed outputs add up in float32, each token's
-in ascending expert order, and are rounded once before the shared expert's output is added.
+The SwiGLU runs in float32 and is rounded to the model dtype once before ``w2``; each routed
+output (model dtype) is multiplied by its float32 routing weight and the products add up in
+float32, each token's in ascending expert order, rounded once before the shared expert's output
+is added. (NeMo applies the weight to the SwiGLU before ``w2``, its default; its
+``apply_router_weight_after_down`` is the order here: the same function, other roundings. It
+keeps the weights out of the expert-parallel exchange.)
 Padding tokens (``valid`` False) take the shared expert only. The correction bias is a float32
 buffer that stays float32 under ``Float16Module`` (`DeepseekV41Router._apply`), not trained by
 gradient: with ``moe_router_bias_update_rate`` > 0 the router counts its experts' loads in
@@ -23,8 +26,8 @@ Parallelism: routed experts are stacked ``[experts, out, in]`` (``w1``, ``w3``, 
 ``nn.Linear`` orientation) so expert parallelism splits dim 0; the shared expert is megatron's
 column-parallel ``w1``/``w3`` and row-parallel ``w2``. Under expert parallelism (megatron's
 expert-model-parallel group) each rank holds ``experts / ep`` of them and an exact all-to-all
-dispatch sends each routed pair to its expert's rank in the model dtype and the outputs back
-(`ExpertParallelDispatch`). The expert weights are megatron's expert parameters
+dispatch sends each routed pair's row to its expert's rank in the model dtype and the outputs
+back (`ExpertParallelDispatch`), the routing weights staying on their tokens' rank. The expert weights are megatron's expert parameters
 (``allreduce = False``: DDP reduces them over the expert data-parallel group) and their
 checkpoint tensors are sharded on the expert axis.
 """
@@ -137,10 +140,12 @@ class DeepseekV41Experts(nn.Module):
         pairs by expert, one host read of the counts (``v41_grouped_experts``)."""
         chosen = indices if valid is None else indices.masked_fill(~valid.unsqueeze(-1), -1)
         transfer = self.dispatch.plan(route(chosen, self.num_experts), self.num_local)
-        rows, pair_weights = self.dispatch.send(x, weights, transfer)
-        contributions = grouped_swiglu(rows, pair_weights, self.w1, self.w3, self.w2,
-                                       transfer.local_counts, self.limit)
-        return combine(self.dispatch.receive(contributions, transfer), transfer.routing).to(x.dtype)
+        rows = self.dispatch.send(x, transfer)
+        contributions = grouped_swiglu(rows, self.w1, self.w3, self.w2, transfer.local_counts,
+                                       self.limit)
+        returned = self.dispatch.receive(contributions, transfer)
+        pair_weights = transfer.routing.pair_weights(weights)
+        return combine(returned, pair_weights, transfer.routing).to(x.dtype)
 
 
 class DeepseekV41SharedExpert(nn.Module):
