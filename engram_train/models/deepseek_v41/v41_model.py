@@ -30,14 +30,15 @@ lookup method, ``parallel/lookup.py``; the checkpoint view in ``v41_sharding.py`
 over pipeline stages (each stage its even share; what a layer hands the next crosses the
 boundary whole, ``v41_pipeline.py``). Recompute: ``full`` re-runs chunks of layers in the
 backward (`full_recompute_chunks`), ``selective`` the modules of ``recompute_modules``
-(``v41_config.selective_recompute``). Context parallelism and a virtual pipeline are refused
-when the run config is checked (``training/run_config.py``).
+(``v41_config.selective_recompute``). Context parallelism: ``v41_context_parallel.py``; a
+virtual pipeline is refused when the run config is checked (``training/run_config.py``).
 
 Under bf16 the float32 parts keep their dtype (``keep_fp32``, held out of ``Float16Module``'s
 cast by the builder): the mHC mappings (``attn_hc``/``ffn_hc``), the attention sinks and the
 output layer, the compressors' ``wkv``/``wgate``, as NeMo's ``_keep_in_fp32_modules_strict``. The
-router's ``e_score_correction_bias`` is a buffer, which ``Float16Module`` casts to bf16 (NeMo
-keeps it float32): a difference under bf16 only.
+router's ``e_score_correction_bias`` is a float32 buffer that stays float32 under
+``Float16Module``'s cast (``v41_moe.DeepseekV41Router._apply``), as NeMo keeps it, so bf16
+routing picks the experts float32 routing picks on the same scores.
 """
 
 from __future__ import annotations
