@@ -63,6 +63,10 @@ V41_LONG = {
     "v41_s16384": (1, (*V41_TINY, "train.seq_length=16384")),
     "v41_cp2_docs_s16384": (2, (*V41_TINY, "system.context_parallel_size=2",
                                 "+model.document_eos_id=0", "train.seq_length=16384")),
+    # measured after v41_plan.CPU_HEAP_HOLE_FRACTION was set (from v41_s16384)
+    "v41_h96_s8192": (1, (*V41_TINY, "model.hidden_size=96", "train.seq_length=8192")),
+    "v41_tp2_sp_s8192": (2, (*V41_TINY, "system.tensor_model_parallel_size=2",
+                             "system.sequence_parallel=true", "train.seq_length=8192")),
 }
 
 # Held out from the CPU items of memory_plan/fixed.py (bf16 MoE kernel caches; a flat heap top

@@ -215,6 +215,9 @@ def stage_activations(config, layout: Layout, stage: int, layers: list[int], a: 
     if stage == layout.pp - 1:
         entry = v41_plan.logits_bytes_per_entry(a) if v41 else a + 4 + 4
         items["logits_and_loss"] = t * (vocab // layout.tp) * entry
+        if v41:
+            items["backward_working_set"] = v41_plan.backward_beyond_logits(
+                items["backward_working_set"], items["logits_and_loss"])
     return items
 
 

@@ -62,7 +62,9 @@ def heap_placed(step_items: dict[str, int], tensor_bytes: dict[str, int]) -> int
                if tensor_bytes.get(name, 0) < GLIBC_MMAP_THRESHOLD_MAX)
 
 
-def heap_hole_bytes(step_items: dict[str, int], tensor_bytes: dict[str, int], passes: int | None) -> int:
-    """The holes after ``passes`` forward-backward passes of the rank (None: a long run)."""
+def heap_hole_bytes(step_items: dict[str, int], tensor_bytes: dict[str, int], passes: int | None,
+                    fraction: float = CPU_HEAP_HOLE_FRACTION) -> int:
+    """The holes after ``passes`` forward-backward passes of the rank (None: a long run);
+    ``fraction`` is the model family's (DeepSeek-V4.1 has its own, ``v41_plan``)."""
     share = 1.0 if passes is None else -math.expm1(-passes / CPU_HEAP_FILL_PASSES)
-    return int(CPU_HEAP_HOLE_FRACTION * share * heap_placed(step_items, tensor_bytes))
+    return int(fraction * share * heap_placed(step_items, tensor_bytes))

@@ -145,7 +145,10 @@ def plan_stage(config, layout: Layout, sp: StageParams, layers: list[int], preci
         rp.add(name, "host", "persistent", nbytes)
     if device == "cpu":
         passes = layout.train_iters * layout.num_micro if layout.train_iters else None
-        holes = cpu_heap.heap_hole_bytes(step, activations.single_tensor_bytes(config, layout, vocab, device), passes)
+        fraction = (v41_plan.CPU_HEAP_HOLE_FRACTION if v41_plan.is_v41(config)
+                    else cpu_heap.CPU_HEAP_HOLE_FRACTION)
+        holes = cpu_heap.heap_hole_bytes(step, activations.single_tensor_bytes(config, layout, vocab, device),
+                                         passes, fraction)
         rp.add("cpu_heap_holes", "host", "persistent", holes)
     return rp
 

@@ -67,6 +67,15 @@ BF16_MOE_H = 6  # per hidden unit: the router's float32 input and the combine
 # Per routed copy besides its row and its SwiGLU's gate and up: the float32 routing weight and
 # the int64 pair indices the grouped experts keep (models/deepseek_v41/v41_grouped_experts.py).
 ROUTED_PAIR_BYTES = 4 + 3 * 8
+CPU_HEAP_HOLE_FRACTION = 0.77
+"""V4.1's glibc heap holes per byte of its heap-placed activations (cpu_heap.py; DeepSeek-V3's
+fraction is 0.4): the tiny preset at sequence 16384, 3 steps, peaked at 2488 MiB with glibc's
+default and at 1942 MiB with every block above 64 KiB returned at free
+(``MALLOC_MMAP_THRESHOLD_=65536``): 546 MiB of holes over the plan's 1341 MiB of heap-placed
+activations after 3 passes. Set from that one run; the plan's other items matched the fixed-
+threshold peak within 4% at 4096 and 16384 tokens. Held out: the tiny preset at 4096, hidden
+128 in bf16 at 4096, and CP2 with packed documents at 16384 (benchmarks/measure_memory_plan.py
+``--set v41_long``)."""
 SELECTION_BYTES = 8  # per selected compressed key of a token: the int64 selection
 # Split over TP as megatron would split them (module docstring); the rest of a layer replicated.
 _TP_SPLIT = re.compile(r"\.attn\.(wq_b|wo_a|wo_b|attn_sink)\b|\.ffn\.shared_experts\.")
@@ -150,8 +159,9 @@ def moe_per_token(config, h: int, h_full: int, tp: int, share: int, a: int) -> i
 
 
 def routed_token_share(layout) -> int:
-    """The TP ranks a token's routed copies are spread over: TP under sequence parallelism
-    (each rank routes its own slice of the sequence, experts whole), else 1."""
+    """The TP ranks a token's routed copies and Engram branch are spread over: TP under
+    sequence parallelism (each rank routes its own slice of the sequence to whole experts and
+    runs the Engram branch on it), else 1."""
     return layout.tp if layout.sequence_parallel else 1
 
 
@@ -176,7 +186,8 @@ def layer_per_token(config, layout, a: int, layer: int) -> dict[str, int]:
              "moe": moe_per_token(config, h, h_full, layout.tp, routed_token_share(layout), a),
              "mhc": mhc_per_token(config, h, a)}
     if config.use_engram and layer in config.engram_layer_ids:
-        parts["engram"] = engram_per_token(config, h_full)
+        # the branch runs on the rank's slice of the sequence under sequence parallelism
+        parts["engram"] = engram_per_token(config, h_full) // routed_token_share(layout)
     return parts
 
 
@@ -232,8 +243,20 @@ def cpu_scores_per_layer(config, layout, layer: int) -> int:
 
 
 def logits_bytes_per_entry(a: int) -> int:
-    """The float32 output layer's logits and megatron's cross entropy (two float32 copies)."""
-    return 4 + 4 + 4
+    """The float32 output layer's logits at the forward's end: megatron's vocab-parallel cross
+    entropy keeps one float32 copy (the exponentiated, shifted logits, turned into their
+    gradient in place); the logits themselves are freed when the model's forward returns.
+    Measured at the forward's end with every heap block returned at free (the tiny preset at
+    sequence 4096 and 16384: 66 and 262 MiB after the layers, 64 and 256 MiB of them logits)."""
+    return 4
+
+
+def backward_beyond_logits(working_set: int, logits: int) -> int:
+    """The last stage's backward working set above its forward-end peak: the output layer's
+    backward frees the logits' gradient before the last layer's backward starts, so the
+    layers' working set takes the logits' place (measured: the tiny preset's peak is at the
+    forward's end at 4096 and 16384 tokens, the backward stays below it)."""
+    return max(0, working_set - logits)
 
 
 NOT_TRAINABLE_YET = "planned as megatron would split DeepSeek-V4.1"
