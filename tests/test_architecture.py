@@ -158,15 +158,15 @@ def test_every_project_exception_derives_from_the_root():
 
 def family_arrows(sources: dict[str, str]) -> list[str]:
     """In ``models/``: a shared block (a module directly in ``models/``) importing a family
-    folder other than through the builder, or a family folder importing another family."""
+    folder other than through the registry, or a family folder importing another family."""
     bad = []
     for module, text in sources.items():
         parts = module.removesuffix(".__init__").split(".")
         if parts[:2] != ["engram_train", "models"] or len(parts) < 3:
             continue
         here = parts[2] if len(parts) > 3 or (PACKAGE / "models" / parts[2]).is_dir() else None
-        if here is None and parts[2] in {"builder", "__init__"}:
-            continue  # the builder chooses the family
+        if here is None and parts[2] in {"families", "__init__"}:
+            continue  # the registry names the built-in families
         for line, target in imported_modules(text, module.removesuffix(".__init__"),
                                              module.endswith(".__init__")):
             tparts = target.split(".")
@@ -182,7 +182,8 @@ def family_arrows(sources: dict[str, str]) -> list[str]:
 
 def test_shared_blocks_and_families_keep_apart():
     """docs/architecture.md's `models/` rules: shared blocks never import a family folder
-    (the builder hands them the family's spec), no family imports another."""
+    (they ask the registry, ``models/families.py``, for the family), no family imports
+    another."""
     sources = project_sources()
     assert (PACKAGE / "models" / "deepseek_v3").is_dir()
     assert family_arrows(sources) == []

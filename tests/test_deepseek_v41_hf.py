@@ -17,7 +17,7 @@ adapter (``to_hf``), with one ``mtp.*`` tensor added. Then, in one module:
 - ``engram-export --format hf --hf-layout bf16`` of the TP2 x EP2 import: every tensor of the
   source back (bf16 where the layout stores bf16: equal to the source rounded to bf16; float32
   where it keeps float32: equal), the same ``config.json`` model fields; the export in float32
-  (``export/v41_hf_export.py``): every tensor equal to the source;
+  (``export/hf_released.py`` with V4.1's layout): every tensor equal to the source;
 - damaged folders, refused in one line naming the tensor: a tensor missing, a tensor the model
   has no place for, one of another shape.
 """
@@ -130,12 +130,13 @@ def _export(checkpoint, out, dtype: torch.dtype, max_shard_bytes: int = 5 * 2**3
     """The unquantized export of `checkpoint` (the run config it stores) in `dtype`."""
     from engram_train.export.checkpoint_reader import DistCheckpointReader
     from engram_train.export.config_source import find_run_config
-    from engram_train.export.v41_hf_export import export_v41_hf
+    from engram_train.export.hf_released import export_released
+    from engram_train.models.families import get_family
 
     reader = DistCheckpointReader(checkpoint / "iter_0000000")
     run_config, where = find_run_config(None, checkpoint, reader.common_state())
-    export_v41_hf(out, reader, run_config, where, ref.TOKENIZER, max_shard_bytes=max_shard_bytes,
-                  dtype=dtype, log=lambda _: None)
+    export_released(out, reader, run_config, where, ref.TOKENIZER, get_family("deepseek_v41"),
+                    max_shard_bytes=max_shard_bytes, dtype=dtype, log=lambda _: None)
     tensors = {}
     for path in sorted(out.glob("*.safetensors")):
         tensors.update(load_file(str(path)))

@@ -29,8 +29,12 @@ from launch import REPO, free_port, torchrun, run_process
 import transformers  # noqa: E402 - a test dependency (pyproject's test extra): never skipped
 
 import engram_train.hf  # noqa: E402 - registers the Engram classes
-from engram_train.hf.config_map import HFConfigError, hf_config, preset_from_hf  # noqa: E402
-from engram_train.hf.source import HFFolder, dequantize  # noqa: E402
+from engram_train.models.deepseek_v3.v3_hf_config import (  # noqa: E402
+    HFConfigError,
+    hf_config,
+    preset_from_hf,
+)
+from engram_train.models.hf_folder import HFFolder, dequantize  # noqa: E402
 
 TOKENIZER = REPO / "examples" / "data" / "tokenizer" / "tokenizer.json"
 DATA = REPO / "examples" / "data" / "demo_text_document"

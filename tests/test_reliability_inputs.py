@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engram_train.hf.source import HFFolder, HFSourceError
+from engram_train.models.hf_folder import HFFolder, HFSourceError
 
 
 def _folder(root: Path, weight_map: dict[str, str]) -> Path:

@@ -180,7 +180,7 @@ def _safetensors(path: Path) -> bytes:
 @pytest.mark.parametrize("keep", [-100, 20, 0])
 def test_truncated_safetensors_is_named(tmp_path, keep):
     from engram_train.errors import EngramError
-    from engram_train.hf.source import HFFolder, HFSourceError
+    from engram_train.models.hf_folder import HFFolder, HFSourceError
 
     data = _safetensors(tmp_path / "model.safetensors")
     cut = data[:keep]
@@ -193,7 +193,7 @@ def test_truncated_safetensors_is_named(tmp_path, keep):
 
 
 def test_truncated_shard_named_by_an_index_is_named(tmp_path):
-    from engram_train.hf.source import HFFolder, HFSourceError
+    from engram_train.models.hf_folder import HFFolder, HFSourceError
 
     data = _safetensors(tmp_path / "model-00001-of-00001.safetensors")
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(

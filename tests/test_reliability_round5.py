@@ -139,7 +139,7 @@ def _v41_doc():
     from test_deepseek_v41_model import tiny_config, tiny_model_section
 
     from engram_train.engram.variant import build_hash_mapping
-    from engram_train.hf.v41_config_map import v41_hf_config
+    from engram_train.models.deepseek_v41.hf.v41_config_map import v41_hf_config
 
     mapping = build_hash_mapping(tiny_config(True))
     rows = [mapping.num_rows[i] for i in mapping.layer_ids]
@@ -148,8 +148,8 @@ def _v41_doc():
 
 
 def test_engram_num_embeddings_must_be_the_tables_rows():
-    from engram_train.hf.config_map import HFConfigError
-    from engram_train.hf.v41_config_map import v41_preset_from_hf
+    from engram_train.models.hf_mapping import HFConfigError
+    from engram_train.models.deepseek_v41.hf.v41_config_map import v41_preset_from_hf
 
     doc, rows = _v41_doc()
     assert v41_preset_from_hf(doc)["use_engram"] is True  # the hash's rows: accepted
@@ -267,8 +267,8 @@ def test_other_safetensors_beside_model_safetensors_are_ignored(source, one_rank
 def test_all_zero_e8m0_scales_are_named(tmp_path):
     """A quantized weight whose scales are all byte 0 (2^-127) decodes to about 0: named; a
     weight with any other scale byte is not."""
-    from engram_train.hf.v41_quant_folder import V41Folder
-    from engram_train.hf.v41_quant_layout import quantize_for_release
+    from engram_train.models.deepseek_v41.hf.v41_quant_folder import V41Folder
+    from engram_train.models.deepseek_v41.hf.v41_quant_layout import quantize_for_release
 
     tensors = {}
     for name in ("layers.0.attn.wq_a.weight", "layers.0.attn.wkv.weight"):

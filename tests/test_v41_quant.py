@@ -1,4 +1,5 @@
-"""DeepSeek-V4.1's released quantized layout (``hf/v41_quant.py``, ``hf/v41_quant_layout.py``).
+"""DeepSeek-V4.1's released quantized layout (``models/deepseek_v41/hf/v41_quant.py``,
+``v41_quant_layout.py``).
 
 The decoders against NeMo Automodel 0.7.0's ``dequantize_checkpoint_weight`` (the reference
 decoder of the released folder) bit for bit on random stored tensors of each format; a slice
@@ -20,9 +21,9 @@ from safetensors.torch import save_file
 
 import v41_reference as ref
 from engram_train.errors import EngramError
-from engram_train.hf import v41_quant as q
-from engram_train.hf.source import HFSourceError
-from engram_train.hf.v41_quant_layout import (
+from engram_train.models.deepseek_v41.hf import v41_quant as q
+from engram_train.models.hf_folder import HFSourceError
+from engram_train.models.deepseek_v41.hf.v41_quant_layout import (
     dequantize_from_release,
     quantize_for_release,
     release_shape,

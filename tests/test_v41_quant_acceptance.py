@@ -32,8 +32,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import v41_reference as ref
-from engram_train.hf import v41_quant as q
-from engram_train.hf.v41_quant_layout import (
+from engram_train.models.deepseek_v41.hf import v41_quant as q
+from engram_train.models.deepseek_v41.hf.v41_quant_layout import (
     RELEASE_QUANTIZATION_CONFIG,
     dequantize_from_release,
     stored_format,
@@ -187,7 +187,7 @@ def test_trainer_fp8_rows_are_the_release_bytes(width):
     rounded down to 224 (half of 448), which the encoder writes with half the scale and twice
     the codes: the same values."""
     from engram_train.engram.fp8_table import _blocks, dequantize_rows, quantize_rows
-    from engram_train.hf.v41_quant_layout import release_table_scales
+    from engram_train.models.deepseek_v41.hf.v41_quant_layout import release_table_scales
 
     g = torch.Generator().manual_seed(width)
     values = torch.randn(400, width, generator=g) * torch.logspace(-30, 30, 400)[:, None]
@@ -212,7 +212,7 @@ def test_table_rows_for_an_fp8_preset(tmp_path):
     range), a floating table rounded to nearest even as the trainer quantizes; a NaN scale
     refused."""
     from engram_train.engram.fp8_table import quantize_rows
-    from engram_train.hf.v41_quant_folder import V41Folder
+    from engram_train.models.deepseek_v41.hf.v41_quant_folder import V41Folder
 
     g = torch.Generator().manual_seed(3)
     values = torch.randn(70, 48, generator=g)

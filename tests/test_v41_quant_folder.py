@@ -22,8 +22,8 @@ import pytest
 import torch
 
 import v41_reference as ref
-from engram_train.hf import v41_quant as q
-from engram_train.hf.v41_quant_layout import (
+from engram_train.models.deepseek_v41.hf import v41_quant as q
+from engram_train.models.deepseek_v41.hf.v41_quant_layout import (
     RELEASE_QUANTIZATION_CONFIG,
     dequantize_from_release,
     stored_format,
@@ -77,7 +77,7 @@ def test_nemo_reads_the_quantized_folder_as_our_decoder(source):
 
 
 def test_import_and_export_give_back_every_value(source, tmp_path, monkeypatch):
-    from engram_train.export import v41_hf_export
+    from engram_train.export import hf_released
     from engram_train.export.export_cli import main
 
     checkpoint = source["root"] / "import"
@@ -91,7 +91,7 @@ def test_import_and_export_give_back_every_value(source, tmp_path, monkeypatch):
     want = release_values(src)
     # row blocks of 2048 values (64 rows of the tiny model's 32-wide tables, ...): most
     # tensors written in several blocks, the Engram tables' last one partial
-    monkeypatch.setattr(v41_hf_export, "ROW_BLOCK_ELEMENTS", 2048)
+    monkeypatch.setattr(hf_released, "ROW_BLOCK_ELEMENTS", 2048)
     main(["--format", "hf", "--load", str(checkpoint), "--out", str(tmp_path / "released")])
     monkeypatch.undo()
     exported = folder_tensors(tmp_path / "released")

@@ -97,7 +97,10 @@ def write_folder(model, config, folder: Path, *, quantized: bool,
                  extra: dict | None = None) -> dict[str, torch.Tensor]:
     """`model` as a Hugging Face folder (config, one safetensors file, the tokenizer); the
     tensors stored (quantized with the release's rules when `quantized`)."""
-    from engram_train.hf.v41_quant_layout import RELEASE_QUANTIZATION_CONFIG, quantize_for_release
+    from engram_train.models.deepseek_v41.hf.v41_quant_layout import (
+        RELEASE_QUANTIZATION_CONFIG,
+        quantize_for_release,
+    )
 
     plain = {k: v.detach().contiguous() for k, v in
              model.state_dict_adapter.to_hf(model.state_dict()).items()}
@@ -153,8 +156,8 @@ def folder_tensors(folder: Path) -> dict[str, torch.Tensor]:
 
 def release_values(tensors: dict) -> dict[str, torch.Tensor]:
     """The values a folder's tensors stand for: quantized ones decoded, scales dropped."""
-    from engram_train.hf import v41_quant as q
-    from engram_train.hf.v41_quant_layout import dequantize_from_release, stored_format
+    from engram_train.models.deepseek_v41.hf import v41_quant as q
+    from engram_train.models.deepseek_v41.hf.v41_quant_layout import dequantize_from_release, stored_format
 
     return {n: dequantize_from_release(n, v, tensors.get(q.scale_name(n)))
             for n, v in tensors.items() if stored_format(n) != "e8m0"}

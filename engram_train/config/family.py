@@ -19,6 +19,12 @@ MODEL_FAMILIES = {
 }
 
 
+def declare_model_family(name: str, description: str) -> None:
+    """Accept `name` as a ``model_family`` (``models/families.register`` calls it for each
+    family it registers, the built-in ones above included)."""
+    MODEL_FAMILIES[name] = description
+
+
 @dataclass
 class ModelFamilyConfig:
     """The ``model_family`` field of the project's model configs."""

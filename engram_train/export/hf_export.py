@@ -1,10 +1,14 @@
 """``engram-export --format hf``: a training checkpoint -> a transformers model folder.
 
-Without Engram (and mHC) the folder is a stock ``deepseek_v3`` one: ``config.json``, the
-weights under transformers' names in ``model-0000i-of-0000n.safetensors`` with
-``model.safetensors.index.json``, and the tokenizer. With Engram it is an
-``engram_deepseek_v3`` folder for `engram_train.hf.EngramDeepseekV3ForCausalLM`: the same plus
-each Engram layer's tensors under ``model.layers.<i>.engram.`` and the hash constants as exact
+The checkpoint's model family (``models/families.py``, by the run config's ``model_family``)
+maps it (its ``hf``, ``models/hf_mapping.HFMapping``). A family with a released layout
+(DeepSeek-V4.1) is written by ``hf_released.py``; the others here: ``config.json`` from the
+family's config map, the weights cut into the family's pieces under transformers' names in
+``model-0000i-of-0000n.safetensors`` with ``model.safetensors.index.json``, and the tokenizer.
+For DeepSeek-V3 without Engram (and mHC) the folder is a stock ``deepseek_v3`` one. With Engram
+it is the family's Engram modeling (``engram_deepseek_v3`` for
+`engram_train.hf.EngramDeepseekV3ForCausalLM`, its code written beside it): the same plus each
+Engram layer's tensors under ``model.layers.<i>.engram.`` and the hash constants as exact
 int64 tensors. The checkpoint is read with the export's reader (any TP/PP/VPP/EP/eps layout,
 one stored shard in memory at a time, copied into memory maps of the output files), so every
 layout gives the same bytes.
@@ -14,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,22 +31,17 @@ from engram_train.export.checkpoint_reader import DistCheckpointReader, StoredTe
 from engram_train.export.config_source import find_run_config
 from engram_train.export.export_errors import ExportError
 from engram_train.export.exporter import plan_export
+from engram_train.export.hf_files import FILE_METADATA, shard_file, write_index, write_tokenizer
+from engram_train.export.hf_released import export_released
 from engram_train.export.locate import resolve_checkpoint, verify_files
 from engram_train.export.publish import check_out, publish, stderr_log
 from engram_train.export.safetensors_io import SafetensorsWriter, TensorSpec, shard_groups
-from engram_train.hf.config_map import HFConfigError, hf_config
-from engram_train.hf.names import Piece, UnmappedTensorError, hf_pieces
 from engram_train.hf.remote_code import AUTO_MAP, write_remote_code
+from engram_train.models.families import family_of_section
+from engram_train.models.hf_mapping import HFConfigError, Piece, UnmappedTensorError
 from engram_train.training.run_config import padded_vocab_size
 
-INDEX_FILE = "model.safetensors.index.json"
-FILE_METADATA = {"format": "pt"}
-ENGRAM_MODEL_TYPE = "engram_deepseek_v3"
 HASH_PREFIX = "model.engram_hash."
-
-
-def shard_file(index: int, count: int) -> str:
-    return f"model-{index:05d}-of-{count:05d}.safetensors"
 
 
 @dataclass
@@ -69,15 +67,15 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def plan_items(reader: DistCheckpointReader, vocab_size: int) -> list[_Item]:
-    """Every model tensor of the checkpoint with its pieces (``_extra_state`` left out)."""
+def plan_items(reader: DistCheckpointReader, vocab_size: int, pieces: Callable) -> list[_Item]:
+    """Every model tensor of the checkpoint with its `pieces` (``_extra_state`` left out)."""
     items = []
     for key in reader.model_keys():
         if key.endswith("_extra_state"):
             continue
         stored = reader.tensors[key]
         try:
-            items.append(_Item(stored, hf_pieces(key, stored.shape, vocab_size)))
+            items.append(_Item(stored, pieces(key, stored.shape, vocab_size)))
         except UnmappedTensorError as err:
             raise HFConfigError(str(err)) from None
     return items
@@ -134,9 +132,7 @@ def write_weights(folder: Path, reader: DistCheckpointReader, items: list[_Item]
                 for k, t in extra.items():
                     writer.write(k, t)
         weight_map.update({s.name: name for s in specs})
-    (folder / INDEX_FILE).write_text(json.dumps(
-        {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))},
-        indent=2) + "\n")
+    write_index(folder, weight_map, total)
     return total
 
 
@@ -163,14 +159,6 @@ def mhc_section(model: dict) -> dict:
             "norm_eps": float(model.get("layernorm_epsilon", 1e-6))}
 
 
-def write_tokenizer(folder: Path, tokenizer_file: Path, eos_token: str | None = None) -> None:
-    shutil.copyfile(tokenizer_file, folder / "tokenizer.json")
-    config = {"tokenizer_class": "PreTrainedTokenizerFast"}
-    if eos_token:
-        config["eos_token"] = eos_token
-    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-
-
 def _tokenizer_file(tokenizer, run_config: dict, where: str) -> Path:
     named = tokenizer or (run_config.get("data") or {}).get("tokenizer")
     if not named:
@@ -185,22 +173,24 @@ def export_hf(load, out, *, iteration=None, config=None, tokenizer=None, force=F
               max_shard_bytes: int = 5 * 2**30, verify=True, hf_layout: str | None = None,
               log: Callable[[str], None] | None = None) -> Path:
     """Write checkpoint `load` as a transformers model folder `out` (module docstring);
-    `hf_layout` (DeepSeek-V4.1 only): ``released`` (default: FP8/FP4 with scales) or
-    ``bf16`` (unquantized)."""
+    `hf_layout` (a family with a released layout, DeepSeek-V4.1): ``released`` (default:
+    FP8/FP4 with scales) or ``bf16`` (unquantized)."""
     log = log or stderr_log
     out = check_out(out, load, force=force)
     root, directory, iteration = resolve_checkpoint(load, iteration)
     reader = DistCheckpointReader(directory)
     run_config, where = find_run_config(config, root, reader.common_state())
     model = run_config.get("model", run_config)
-    if model.get("model_family") == "deepseek_v41":  # the released V4.1 layout
-        from engram_train.export.v41_hf_export import export_v41_hf
-
+    family = family_of_section(model)
+    if family.hf is None:
+        raise ExportError(f"{where}: model_family={family.name} has no transformers mapping: "
+                          "--format hf cannot write it")
+    if family.hf.released is not None:  # the family's released layout
         verify_files(directory, checksums=verify, log=log)
-        return export_v41_hf(out, reader, run_config, where,
-                             _tokenizer_file(tokenizer, run_config, where),
-                             max_shard_bytes=max_shard_bytes, log=log,
-                             quantized=hf_layout in (None, "released"))
+        return export_released(out, reader, run_config, where,
+                               _tokenizer_file(tokenizer, run_config, where), family,
+                               max_shard_bytes=max_shard_bytes, log=log,
+                               quantized=hf_layout in (None, "released"))
     if hf_layout is not None:
         raise ExportError(f"--hf-layout {hf_layout}: only DeepSeek-V4.1 checkpoints have a "
                           "quantized released layout; drop the option")
@@ -218,23 +208,13 @@ def export_hf(load, out, *, iteration=None, config=None, tokenizer=None, force=F
         raise ExportError(f"the checkpoint's embedding has {stored.shape[0]} rows, the tokenizer "
                           f"{tokenizer_file} needs {vocab}: pass the run's tokenizer (--tokenizer)")
     try:
-        document = hf_config(model, vocab, (run_config.get("train") or {}).get("seq_length"))
-        items = plan_items(reader, vocab)
+        document = family.hf.hf_config(model, vocab,
+                                       (run_config.get("train") or {}).get("seq_length"))
+        items = plan_items(reader, vocab, family.hf.pieces)
     except HFConfigError as err:
         raise ExportError(f"{where}: {err}") from None
     document["dtype"] = str(stored.dtype).removeprefix("torch.")
-    extra: dict[str, torch.Tensor] = {}
-    if plan is not None:
-        section, extra = engram_extras(plan)
-        section["table_rows"] = {  # each layer's table, as stored (the modeling sizes it so)
-            str(layer): int(reader.tensors[f"decoder.layers.{layer}.engram.multi_head_embedding"
-                                           ".weight"].shape[0]) for layer in plan.mapping.layer_ids}
-        document["engram"] = section
-    if model.get("enable_hyper_connections"):
-        document["hyper_connections"] = mhc_section(model)
-    if plan is not None or model.get("enable_hyper_connections"):
-        document.update(model_type=ENGRAM_MODEL_TYPE, architectures=["EngramDeepseekV3ForCausalLM"],
-                        auto_map=dict(AUTO_MAP))
+    extra = _engram_and_mhc(document, family, model, plan, reader, where)
     written = {}
 
     def write(folder: Path) -> None:
@@ -249,3 +229,26 @@ def export_hf(load, out, *, iteration=None, config=None, tokenizer=None, force=F
     log(f"wrote {out} ({document['model_type']}, {len(items)} checkpoint tensors, "
         f"{total / 2**20:.1f} MiB) from {directory} (iteration {iteration})")
     return out
+
+
+def _engram_and_mhc(document: dict, family, model: dict, plan, reader: DistCheckpointReader,
+                    where: str) -> dict[str, torch.Tensor]:
+    """With Engram (`plan`, its export plan) or mHC: their ``config.json`` sections and the
+    family's Engram modeling (written beside the weights); returns the hash-constant tensors."""
+    mhc = bool(model.get("enable_hyper_connections"))
+    if plan is None and not mhc:
+        return {}
+    if family.hf.engram_model is None:
+        raise ExportError(f"{where}: model_family={family.name} has no transformers modeling "
+                          "with Engram or mHC; export without them")
+    extra: dict[str, torch.Tensor] = {}
+    if plan is not None:
+        section, extra = engram_extras(plan)
+        section["table_rows"] = {  # each layer's table, as stored (the modeling sizes it so)
+            str(layer): int(reader.tensors[f"decoder.layers.{layer}.engram.multi_head_embedding"
+                                           ".weight"].shape[0]) for layer in plan.mapping.layer_ids}
+        document["engram"] = section
+    if mhc:
+        document["hyper_connections"] = mhc_section(model)
+    document.update(**family.hf.engram_model, auto_map=dict(AUTO_MAP))
+    return extra

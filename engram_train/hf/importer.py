@@ -17,8 +17,10 @@ run's schedule from iteration 0. The model preset the folder implies goes to
 Engram with ``checkpoint.load_engram=false`` (docs/huggingface.md). Peak memory per rank: its
 shard in fp32, the save's copy of it, and one folder block.
 
-A DeepSeek-V4.1 folder (``config.json`` ``model_type: deepseek_v41``) goes to
-``v41_import.py``: the same shard filling and save with V4.1's names and preset.
+The folder's family (``models/families.hf_family``: the one whose Hugging Face mapping reads
+its ``config.json``; DeepSeek-V3's, or DeepSeek-V4.1's for ``model_type: deepseek_v41``) gives
+the preset, the folder's reader and the tensor names (its ``import_plan``); this module builds
+and fills the shards and saves them the same way for every family.
 """
 
 from __future__ import annotations
@@ -35,54 +37,13 @@ from pathlib import Path
 import torch
 
 from engram_train.errors import EngramError
-from engram_train.hf.config_map import HFConfigError, preset_from_hf
-from engram_train.hf.names import UnmappedTensorError, hf_pieces, rope_permutation
-from engram_train.hf.source import HFFolder, HFSourceError
-from engram_train.hf.v41_config_map import is_v41
-
-
-class HFImportError(EngramError, ValueError):
-    """The folder cannot be imported; the message names the field, tensor or option."""
-
-
-def model_section(preset: dict, layers: int, engram_layer_ids=None) -> dict:
-    """The tiny preset's keys (Engram and mHC options included) with the folder's backbone,
-    Engram off and its value projection starting at zero."""
-    from omegaconf import OmegaConf
-
-    from engram_train.models.presets import CONF_DIR
-
-    section = OmegaConf.to_container(OmegaConf.load(Path(CONF_DIR) / "model" / "deepseek_v3_tiny.yaml"))
-    section.update(preset)
-    ids = engram_layer_ids or sorted({min(1, layers - 1), layers // 2})
-    section.update(use_engram=False, engram_value_init="zero", engram_layer_ids=list(ids))
-    return section
-
-
-def _mtp_names(folder: HFFolder, layers: int) -> list[str]:
-    pattern = re.compile(r"^model\.layers\.(\d+)\.")
-    return [n for n in folder.names() if (m := pattern.match(n)) and int(m.group(1)) >= layers]
-
-
-def source_rows(name: str, rows: int, doc: dict) -> list[int] | None:
-    """For ``rope_interleave: false``: folder row of each megatron row of tensor `name`
-    ([rows, ...]; transformers' rotary halves -> megatron's interleaved pairs); None when the
-    rows are the same."""
-    if doc.get("rope_interleave", True):
-        return None
-    rope, nope = int(doc["qk_rope_head_dim"]), int(doc["qk_nope_head_dim"])
-    order = rope_permutation(rope)
-    index = list(range(rows))
-    if name.endswith(("self_attn.q_b_proj.weight", "self_attn.q_proj.weight")):
-        for head in range(rows // (nope + rope)):
-            base = head * (nope + rope) + nope
-            index[base: base + rope] = [base + p for p in order]
-        return index
-    if name.endswith("self_attn.kv_a_proj_with_mqa.weight"):
-        start = int(doc["kv_lora_rank"])
-        index[start:] = [start + p for p in order]
-        return index
-    return None
+from engram_train.models.hf_folder import HFFolder, HFSourceError
+from engram_train.models.hf_mapping import (  # noqa: F401  (HFImportError: re-exported)
+    HFConfigError,
+    HFImportError,
+    ImportOptions,
+    UnmappedTensorError,
+)
 
 
 _STACKED = re.compile(r"^(decoder\.layers\.)(\D.*)$")
@@ -112,16 +73,15 @@ def _sharded_tensors(model: list) -> list:
     return [v for v in nested_values(state) if isinstance(v, ShardedTensor)]
 
 
-V3_VOCAB_NAMES = ("model.embed_tokens.weight", "lm_head.weight")
-
-
 @torch.no_grad()
-def fill_shard(model: list, folder: HFFolder, doc: dict, vocab: int, names=hf_pieces,
-               vocab_names: tuple[str, str] = V3_VOCAB_NAMES) -> tuple[set[str], list[str]]:
+def fill_shard(model: list, folder: HFFolder, doc: dict, vocab: int, names: Callable,
+               vocab_names: tuple[str, str], rows_of: Callable | None = None
+               ) -> tuple[set[str], list[str]]:
     """Copy into this rank's shard of `model` (any TP, EP, PP) the blocks of the folder's
     tensors that land in it, one block at a time; returns (folder tensors used, warnings).
     `names(key, shape, rows)`: the folder tensors of a checkpoint tensor (None: kept as
-    built); `vocab_names`: the folder's embedding and output layer."""
+    built); `vocab_names`: the folder's embedding and output layer; `rows_of(name, rows)`:
+    the folder row of each checkpoint row (None: the same)."""
     tied = bool(doc.get("tie_word_embeddings")) and vocab_names[1] not in folder
     hf_rows = int(doc["vocab_size"])
     rows = min(vocab, hf_rows)
@@ -156,7 +116,7 @@ def fill_shard(model: list, folder: HFFolder, doc: dict, vocab: int, names=hf_pi
                 box = box.narrow(dim, a - o, n)
             if piece.squeeze:
                 at, extent = at[1:], extent[1:]
-            value = _read(folder, source, at, extent, doc)
+            value = _read(folder, source, at, extent, rows_of)
             box.copy_(value.reshape(box.shape))
             filled += value.numel()
             used.add(source)
@@ -193,9 +153,10 @@ def _shape_message(source: str, stored: tuple, want: tuple, vocab: bool, hf_rows
             "give the config.json these weights were saved with")
 
 
-def _read(folder: HFFolder, name: str, at: list[int], extent: list[int], doc: dict) -> torch.Tensor:
+def _read(folder: HFFolder, name: str, at: list[int], extent: list[int],
+          rows_of: Callable | None) -> torch.Tensor:
     """The block ``[at, at + extent)`` of folder tensor `name` in megatron's row order."""
-    order = source_rows(name, folder.shape(name)[0], doc) if extent else None
+    order = rows_of(name, folder.shape(name)[0]) if extent and rows_of else None
     if order is None:
         return folder.read_block(name, at, extent)
     wanted = order[at[0]: at[0] + extent[0]]
@@ -277,8 +238,10 @@ def import_hf(hf: str | Path, out: str | Path, *, tokenizer: str | Path | None =
     import torch.distributed as dist
 
     from engram_train.checkpoint import has_checkpoints
+    from engram_train.config import uses_engram
     from engram_train.data import load_tokenizer
     from engram_train.engram.compressed_tokenizer import resolve_tokenizer_file
+    from engram_train.models.families import hf_family
     from engram_train.training.run_config import padded_vocab_size
 
     log = log or (lambda message: print(f"engram-import-hf: {message}", flush=True))
@@ -289,43 +252,69 @@ def import_hf(hf: str | Path, out: str | Path, *, tokenizer: str | Path | None =
     if has_checkpoints(out):
         raise HFImportError(f"--out {out} already holds checkpoints; choose an empty folder")
     doc = json.loads((hf / "config.json").read_text())
-    if is_v41(doc):  # DeepSeek-V4.1: its own names and preset (v41_import.py)
-        from engram_train.hf.v41_import import import_v41
-
-        return import_v41(hf, out, doc, tokenizer=tokenizer, preset_name=preset_name,
-                          engram_layer_ids=engram_layer_ids, seq_length=seq_length,
-                          tensor=tensor, expert=expert, pipeline=pipeline,
-                          table_dtype=table_dtype, placement=placement, log=log)
-    if table_dtype is not None or placement is not None:
-        raise HFImportError("--engram-table-dtype/--engram-table-placement: a DeepSeek-V3 import "
-                            "has Engram off; the continued run sets its tables "
-                            "(model.engram_table_dtype, model.engram_table_placement)")
+    options = ImportOptions(engram_layer_ids=engram_layer_ids, drop_mtp=drop_mtp,
+                            table_dtype=table_dtype, placement=placement)
     try:
-        preset = preset_from_hf(doc)
-        folder = HFFolder(hf, tuple((doc.get("quantization_config") or {}).get(
-            "weight_block_size", (128, 128))))
+        plan = hf_family(doc).hf.import_plan(hf, doc, options)
     except (HFConfigError, HFSourceError) as err:
         raise HFImportError(str(err)) from None
-    layers = int(doc["num_hidden_layers"])
-    mtp = _mtp_names(folder, layers)
-    if mtp and not drop_mtp:
-        raise HFImportError(
-            f"config.json num_nextn_predict_layers={doc.get('num_nextn_predict_layers')}: the "
-            f"folder holds {len(mtp)} multi-token-prediction tensors (model.layers.{layers}.*), "
-            "which the trainer does not train; pass --drop-mtp to import without them")
     tokenizer_file = resolve_tokenizer_file(tokenizer or hf, field="--tokenizer")
+    if plan.check_tokenizer is not None:
+        plan.check_tokenizer(tokenizer_file)
     vocab = padded_vocab_size(load_tokenizer(tokenizer_file).vocab_size, tensor)
-    section = model_section(preset, layers, engram_layer_ids)
-    cfg = _run_config(section, tokenizer_file, seq_length, tensor, expert, pipeline)
+    cfg = _run_config(plan.section, tokenizer_file, seq_length, tensor, expert, pipeline)
     baseline = peak_rss_bytes()
     config, model = build_shard(cfg, vocab)
-    used, warnings = fill_shard(model, folder, doc, vocab)
+    folder = plan.folder
+    used, warnings = fill_shard(model, folder, plan.fields, vocab, plan.names, plan.vocab_names,
+                                plan.source_rows)
+    if plan.table_names is not None:
+        used |= fill_fp8_tables(model, folder, plan.table_names)
     folder.close()
-    check_all_used(folder, used, set(mtp))
-    for warning in [*folder.ignored_files_notes(), *warnings] if dist.get_rank() == 0 else []:
-        log(f"warning: {warning}")
-    return write_import(out, hf, model, cfg, config, vocab, section, preset_name,
-                        started, baseline, log)
+    check_all_used(folder, used, plan.skip)
+    if dist.get_rank() == 0:
+        for note in plan.notes:
+            log(note)
+        for warning in [*folder.ignored_files_notes(), *folder.warnings, *warnings]:
+            log(f"warning: {warning}")
+    mapping = None
+    if uses_engram(config):  # the run identity records the Engram hash
+        from engram_train.engram.variant import build_hash_mapping
+
+        mapping = build_hash_mapping(config)
+    return write_import(out, hf, model, cfg, config, vocab, plan.section, preset_name, started,
+                        baseline, log, mapping)
+
+
+TABLE_KEY = ".engram.multi_head_embedding.weight"
+
+
+def fill_fp8_tables(model: list, folder: HFFolder, names: Callable) -> set[str]:
+    """This rank's rows of each fp8 Engram table: the folder's codes and scales as stored
+    (a floating table quantized; the folder's ``read_table_rows``); `names`: the folder
+    tensor of a table (`HFImport.table_names`). Returns the folder tensors used."""
+    used = set()
+    views = {view[0]: (sh, view) for sh in _sharded_tensors(model)
+             for view in [_global_view(sh)]}
+    for key, (sh, (_, shape, offset, size)) in views.items():
+        if not key.endswith(TABLE_KEY):
+            continue
+        scale = views[key + "_scale"][0].data
+        name = names(key, shape, 0)[0].name
+        if name not in folder:
+            raise HFImportError(f"{folder.folder} has no {name} (megatron {key} needs it)")
+        if folder.shape(name) != tuple(shape):
+            raise HFImportError(f"{name} has shape {folder.shape(name)}, the model built from "
+                                f"config.json needs {tuple(shape)}")
+        weight, rows = sh.data, int(size[0])
+        step = max(1, (1 << 22) // max(1, int(shape[1])))
+        for lo in range(0, rows, step):  # a bounded block of rows at a time
+            codes, stored = folder.read_table_rows(name, int(offset[0]) + lo, min(step, rows - lo))
+            weight.data[lo:lo + codes.shape[0]].view(torch.uint8).copy_(codes.view(torch.uint8))
+            scale[lo:lo + codes.shape[0]].copy_(stored)
+            folder.close()
+        used.add(name)
+    return used
 
 
 def write_import(out: Path, hf: Path, model: list, cfg, config, vocab: int, section: dict,

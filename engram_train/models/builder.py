@@ -1,8 +1,8 @@
 """Build the model chunks of this rank: one per virtual pipeline stage, wrapped as Megatron-LM's
 ``get_model`` wraps them (``Float16Module`` under bf16, then megatron DDP).
 
-``build_gpt_model`` picks the model of the config's family (``model_family``): DeepSeek-V4.1's
-``models/deepseek_v41/v41_model.DeepseekV41GPTModel``, or for DeepSeek-V3 the Engram model when
+``build_gpt_model`` asks the config's family (``model_family``, ``models/families.py``) for the
+model: DeepSeek-V4.1's ``DeepseekV41GPTModel``, or for DeepSeek-V3 the Engram model when
 ``config.use_engram`` is set and megatron's own ``GPTModel`` otherwise, so ``use_engram: false``
 is exactly the plain backbone.
 Engram tables are left out of megatron DDP (its data-parallel averaging is the wrong reduction
@@ -27,13 +27,10 @@ from typing import Iterator
 import torch
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from engram_train.config import uses_engram, uses_hyper_connections
-from engram_train.config.family import DEEPSEEK_V41, model_family
-from engram_train.models.deepseek_v3.v3_specs import deepseek_v3_block_spec
+from engram_train.models.families import family_of
 
 
 def build_gpt_model(
@@ -56,40 +53,7 @@ def build_gpt_model(
         position_embedding_type="rope",
         vp_stage=vp_stage,
     )
-    if model_family(config) == DEEPSEEK_V41:  # its own model: layers carry mHC and CSA2 state
-        from engram_train.models.deepseek_v41.v41_model import DeepseekV41GPTModel
-
-        return DeepseekV41GPTModel(config, **kwargs)
-    return gpt_model_class(config)(config, gpt_block_spec(config, use_te, vp_stage), **kwargs)
-
-
-def gpt_model_class(config: TransformerConfig) -> type:
-    """megatron's GPTModel, or its Engram and/or mHC subclass, as the config asks (megatron's
-    own config, or one composed with Engram's and mHC's fields: `engram_train.config`)."""
-    from engram_train.models.engram_gpt import EngramGPTModel
-    from engram_train.models.hyper_connection_model import (
-        EngramHyperConnectionGPTModel,
-        HyperConnectionGPTModel,
-    )
-
-    engram, mhc = uses_engram(config), uses_hyper_connections(config)
-    return {
-        (False, False): GPTModel,
-        (True, False): EngramGPTModel,
-        (False, True): HyperConnectionGPTModel,
-        (True, True): EngramHyperConnectionGPTModel,
-    }[(engram, mhc)]
-
-
-def gpt_block_spec(config: TransformerConfig, use_te: bool | None = None,
-                   vp_stage: int | None = None):
-    """The decoder block spec: Engram layers at ``engram_layer_ids`` when ``use_engram``."""
-    block = deepseek_v3_block_spec(config, use_te=use_te, vp_stage=vp_stage)
-    if uses_engram(config):
-        from engram_train.models.engram_specs import engram_block_spec
-
-        return engram_block_spec(config, block, vp_stage=vp_stage)
-    return block
+    return family_of(config).build_model(config, use_te=use_te, **kwargs)
 
 
 def _cast_exempt(param: torch.nn.Parameter) -> bool:

@@ -117,3 +117,17 @@ class HyperConnectionGPTModel(HyperConnectionModelMixin, GPTModel):
 
 class EngramHyperConnectionGPTModel(HyperConnectionModelMixin, EngramGPTModel):
     """The Engram model on the mHC backbone."""
+
+
+def gpt_model_class(config) -> type:
+    """megatron's GPTModel, or its Engram and/or mHC subclass, as the config asks (megatron's
+    own config, or one composed with Engram's and mHC's fields: `engram_train.config`)."""
+    from engram_train.config import uses_engram
+
+    engram, mhc = uses_engram(config), uses_hyper_connections(config)
+    return {
+        (False, False): GPTModel,
+        (True, False): EngramGPTModel,
+        (False, True): HyperConnectionGPTModel,
+        (True, True): EngramHyperConnectionGPTModel,
+    }[(engram, mhc)]

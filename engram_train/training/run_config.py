@@ -11,7 +11,6 @@ model config's (``engram_train/config``), run by ``build_transformer_config``, w
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,7 @@ from typing import Any
 import torch
 
 from engram_train.config import check_known_keys, resolve
-from engram_train.config.family import DEEPSEEK_V41, preset_family
+from engram_train.config.family import preset_family
 from engram_train.config.run import MEMORY_CHECKS
 from engram_train.errors import ConfigError, EngramError  # noqa: F401  (ConfigError: re-exported)
 from engram_train.runtime.distributed import ParallelSizes
@@ -27,28 +26,24 @@ from engram_train.training.run_keys import check_data_keys, check_schedule
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 RECOMPUTE = (None, "selective", "full")
-# Preset keys that are not megatron config fields.
-MODEL_ONLY_KEYS = {"first_k_dense_replace"}
+
+
+def model_family_of(cfg):
+    """The model family of the run config (``model.model_family``, ``models/families.py``)."""
+    from engram_train.models.families import get_family
+
+    return get_family(preset_family(cfg.model))
 
 
 def backbone_model(cfg) -> dict[str, Any]:
     """The model section as its megatron config will see it: megatron's field defaults, the
-    DeepSeek-V3 backbone's, the preset's values, the Engram and mHC fields resolved
-    (`engram_train.config.resolve`). For the checks that run before the config is built."""
-    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
+    family's (its ``backbone_fields``: DeepSeek-V3's defaults; V4.1's names as megatron's), the
+    preset's values, the Engram and mHC fields resolved (`engram_train.config.resolve`). For
+    the checks that run before the config is built."""
     from omegaconf import OmegaConf
 
-    from engram_train.models.deepseek_v3.v3_config import DEEPSEEK_V3_COMMON
-
     model = OmegaConf.to_container(cfg.model, resolve=True)
-    base, common = MLATransformerConfig, DEEPSEEK_V3_COMMON
-    if preset_family(model) == DEEPSEEK_V41:  # V4.1's names, megatron's added
-        from engram_train.models.deepseek_v41.v41_config import megatron_view
-
-        base, common, model = TransformerConfig, {}, megatron_view(model)
-    defaults = {f.name: f.default for f in dataclasses.fields(base)
-                if f.default is not dataclasses.MISSING}
-    return resolve({**defaults, **common, **model})
+    return resolve(model_family_of(cfg).backbone_fields(model))
 
 
 def parallel_sizes(cfg) -> ParallelSizes:
@@ -162,28 +157,11 @@ def _check_pipeline(cfg, p: ParallelSizes, dp: int) -> None:
 
 
 def _check_model_family_layout(cfg, p: ParallelSizes) -> None:
-    """DeepSeek-V4.1 runs data-, tensor- (with sequence parallelism), context- (zigzag chunks
-    of whole compressed runs, ``models/deepseek_v41/v41_context_parallel.py``), expert-,
-    pipeline- and Engram-embedding-parallel, with or without recompute (docs/deepseek-v41.md
-    'Layouts'); not on a virtual pipeline (tried: megatron's interleaved schedule stalled with
-    the per-message boundary shapes of ``models/deepseek_v41/v41_pipeline.py``)."""
-    if preset_family(cfg.model) != DEEPSEEK_V41:
-        return
-    if cfg.data.reset_position_ids:
-        raise ConfigError(
-            "data.reset_position_ids=true with model_family=deepseek_v41: its positions are the "
-            "token's index in the row (the window and CSA2 give its mask); set it to false")
-    if p.virtual_pipeline is not None:
-        raise ConfigError(
-            f"system.virtual_pipeline_model_parallel_size={p.virtual_pipeline} with "
-            "model_family=deepseek_v41: megatron's interleaved schedule with its stage boundary "
-            "is not supported; set it to null (docs/deepseek-v41.md 'Layouts')")
-    unit = 2 * p.context * max([1, *cfg.model.get("compress_ratios", [1])])
-    if p.context > 1 and cfg.train.seq_length % unit:
-        raise ConfigError(
-            f"train.seq_length={cfg.train.seq_length} with system.context_parallel_size="
-            f"{p.context}: each rank's two chunks must hold whole compressed runs; use a "
-            f"multiple of 2 x CP x the largest compress_ratio = {unit}")
+    """The model family's own rules on the layout (its ``check_run``: DeepSeek-V4.1's layouts,
+    DeepSeek-V3's Transformer Engine MLA under tensor parallelism)."""
+    family = model_family_of(cfg)
+    if family.check_run is not None:
+        family.check_run(cfg, p, sequence_parallel(cfg))
 
 
 def _check_tensor_and_expert_parallel(cfg, p: ParallelSizes) -> None:
@@ -194,17 +172,6 @@ def _check_tensor_and_expert_parallel(cfg, p: ParallelSizes) -> None:
             "MoE with tensor_model_parallel_size > 1 needs sequence parallelism: set "
             "system.sequence_parallel: true (or auto)"
         )
-    if p.tensor > 1 and not sequence_parallel(cfg):
-        # MLA: the RoPE key, shared by all heads, gets a partial gradient on each TP rank. The
-        # local spec's MLASelfAttention sums it over TP (and scales the q-latent norm's gradient
-        # for megatron's TP sum); TE's spec does neither (docs/megatron-versions.md, item 8).
-        from engram_train.models.deepseek_v3.v3_specs import use_transformer_engine
-
-        if use_transformer_engine():
-            raise ConfigError(
-                "system.tensor_model_parallel_size > 1 needs system.sequence_parallel: true (or "
-                "auto) with Transformer Engine's MLA: without it megatron-core leaves the RoPE "
-                "key's gradient partial on each tensor-parallel rank")
     if backbone["num_moe_experts"] and backbone["num_moe_experts"] % p.expert:
         raise ConfigError(
             f"model.num_moe_experts={backbone['num_moe_experts']} must be divisible by "
@@ -376,15 +343,10 @@ def build_transformer_config(cfg):
     """``EngramMLATransformerConfig`` for the model and system sections of the YAML."""
     from omegaconf import OmegaConf
 
-    from engram_train.config import EngramMLATransformerConfig
-    from engram_train.models.deepseek_v3.v3_config import backbone_config_kwargs
-
     model = OmegaConf.to_container(cfg.model, resolve=True)
-    family = preset_family(model)
-    known = {f.name for f in dataclasses.fields(EngramMLATransformerConfig)} | MODEL_ONLY_KEYS
-    unknown = sorted(set(model) - known)
-    if unknown and family != DEEPSEEK_V41:  # V4.1's own names: its config refuses the others
-        raise ConfigError(f"model: unknown keys {unknown}; see README 'Configuration reference'")
+    family = model_family_of(cfg)
+    if family.check_model_keys is not None:  # else its config refuses the others
+        family.check_model_keys(model)
     p = parallel_sizes(cfg)
     s = cfg.system
     dtype = PRECISIONS[s.precision]
@@ -404,11 +366,7 @@ def build_transformer_config(cfg):
     if s.recompute_granularity == "full":
         fields.update(recompute_method=s.recompute_method, recompute_num_layers=int(s.recompute_num_layers))
     try:
-        if family == DEEPSEEK_V41:
-            from engram_train.models.deepseek_v41.v41_config import deepseek_v41_config
-
-            return deepseek_v41_config(model, fields)
-        return EngramMLATransformerConfig(**backbone_config_kwargs({**model, **fields}))
+        return family.transformer_config(model, fields)
     except EngramError:
         raise  # the Engram and mHC rules raise ConfigError themselves
     except (ValueError, AssertionError, TypeError) as e:  # megatron's own checks

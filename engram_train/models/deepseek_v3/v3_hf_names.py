@@ -1,10 +1,11 @@
-"""Megatron dist-checkpoint keys <-> transformers' DeepSeek-V3 names.
+"""Megatron dist-checkpoint keys <-> transformers' DeepSeek-V3 names (DeepSeek-V3's
+`HFMapping.pieces`).
 
 One table serves both directions. A megatron tensor (its global key and shape) maps to one or
-more *pieces*: axis-aligned blocks of it that are whole transformers tensors. SwiGLU's
-``linear_fc1`` ``[2f, d]`` is two pieces (gate rows, then up rows); a stacked expert tensor
-``[E, ...]`` is one piece per expert (its leading axis dropped); the padded embedding and output
-layer are one piece of their first ``vocab_size`` rows. Engram (and mHC) tensors keep the
+more *pieces* (``models/hf_mapping.Piece``): axis-aligned blocks of it that are whole
+transformers tensors. SwiGLU's ``linear_fc1`` ``[2f, d]`` is two pieces (gate rows, then up
+rows); a stacked expert tensor ``[E, ...]`` is one piece per expert (its leading axis dropped);
+the padded embedding and output layer are one piece of their first ``vocab_size`` rows. Engram (and mHC) tensors keep the
 project's module names under the decoder layer (``model.layers.<i>.engram.<name>``,
 ``model.layers.<i>.attn_hc.fn``) and the stream collapse is ``model.hc_head.*``.
 """
@@ -12,31 +13,10 @@ project's module names under the decoder layer (``model.layers.<i>.engram.<name>
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 
-from engram_train.errors import EngramError
+from engram_train.models.hf_mapping import Piece, UnmappedTensorError, whole
 
 HF_PREFIX = "model."
-
-
-@dataclass(frozen=True)
-class Piece:
-    """transformers tensor `name` = megatron tensor[start : start + size], with the leading
-    axis dropped when `squeeze` (one expert of a stacked tensor)."""
-
-    name: str
-    start: tuple[int, ...]
-    size: tuple[int, ...]
-    squeeze: bool = False
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.size[1:] if self.squeeze else self.size
-
-
-class UnmappedTensorError(EngramError, ValueError):
-    """A checkpoint tensor with no transformers name (the message names it)."""
-
 
 # Per-layer megatron suffix -> transformers suffix (one piece, whole tensor). Transformer
 # Engine's fused layer-norm weights are the same tensors under other keys.
@@ -70,10 +50,6 @@ _KEPT = re.compile(r"^(engram\.|attn_hc\.|ffn_hc\.)")
 _LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 
-def _whole(name: str, shape: tuple[int, ...]) -> list[Piece]:
-    return [Piece(name, (0,) * len(shape), tuple(shape))]
-
-
 def _swiglu(prefix: str, shape: tuple[int, ...], expert: int | None = None) -> list[Piece]:
     lead = () if expert is None else (expert,)
     rows, cols = shape[-2], shape[-1]
@@ -95,16 +71,16 @@ def hf_pieces(key: str, shape: tuple[int, ...], vocab_size: int) -> list[Piece]:
     if key == "output_layer.weight":
         return [Piece("lm_head.weight", (0, 0), (vocab_size, shape[1]))]
     if key == "decoder.final_layernorm.weight":
-        return _whole("model.norm.weight", shape)
+        return whole("model.norm.weight", shape)
     if key.startswith("decoder.hc_head."):  # mHC's collapse of the streams
-        return _whole("model.hc_head." + key[len("decoder.hc_head."):], shape)
+        return whole("model.hc_head." + key[len("decoder.hc_head."):], shape)
     match = _LAYER_KEY.match(key)
     if match is None:
         raise UnmappedTensorError(f"{key}: no transformers name for this checkpoint tensor")
     layer, rest = int(match.group(1)), match.group(2)
     prefix = f"model.layers.{layer}."
     if rest in _LAYER_RENAMES:
-        return _whole(prefix + _LAYER_RENAMES[rest], shape)
+        return whole(prefix + _LAYER_RENAMES[rest], shape)
     if rest in _SWIGLU:
         return _swiglu(prefix + _SWIGLU[rest], shape)
     if rest.startswith(_EXPERTS):
@@ -116,7 +92,7 @@ def hf_pieces(key: str, shape: tuple[int, ...], vocab_size: int) -> list[Piece]:
             return [Piece(f"{prefix}mlp.experts.{e}.down_proj.weight", (e, 0, 0),
                           (1, shape[1], shape[2]), True) for e in range(shape[0])]
     if _KEPT.match(rest):
-        return _whole(prefix + rest, shape)
+        return whole(prefix + rest, shape)
     raise UnmappedTensorError(
         f"{key}: no transformers name for this checkpoint tensor (grouped-GEMM experts and "
         "multi-token-prediction layers are not exported)"

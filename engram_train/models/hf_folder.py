@@ -1,4 +1,5 @@
-"""The tensors of a transformers model folder, read one at a time.
+"""The tensors of a transformers model folder, read one at a time (``engram-import-hf``; a
+family's reader of another storage layout derives from `HFFolder`).
 
 ``model.safetensors.index.json`` says which file holds a tensor; without an index the weights
 are ``model.safetensors`` alone when the folder has it (as transformers reads such a folder:
@@ -69,6 +70,7 @@ class HFFolder:
             raise HFSourceError(f"{self.folder} holds no safetensors weights")
         self.block_size = tuple(block_size)
         self._open: dict[Path, object] = {}
+        self.warnings: list[str] = []  # what a family's reader found odd (logged by the import)
 
     def _inside(self, name: str, what: str) -> Path:
         """``folder / name``, refused unless it resolves (symlinks followed) inside the folder,

@@ -38,7 +38,7 @@ from __future__ import annotations
 import torch
 
 from engram_train.errors import EngramError
-from engram_train.hf.source import HFSourceError
+from engram_train.models.hf_folder import HFSourceError
 
 BLOCK = 32
 FP8_MAX = 448.0

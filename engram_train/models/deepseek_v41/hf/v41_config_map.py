@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from engram_train.hf.config_map import NOT_THE_MODEL, HFConfigError
+from engram_train.models.hf_mapping import NOT_THE_MODEL, HFConfigError
 
 MODEL_TYPE = "deepseek_v41"
 TEXT_MODEL_TYPE = "deepseek_v41_text"

@@ -1,8 +1,8 @@
 """DeepSeek-V4.1 checkpoint keys <-> the released tensor names (NeMo Automodel's state-dict
-adapter ``to_hf``), one table for both directions, as `names.hf_pieces` for DeepSeek-V3.
+adapter ``to_hf``), one table for both directions: DeepSeek-V4.1's `HFMapping.pieces`.
 
 A checkpoint tensor (its dist-checkpoint key and global shape) holds one or more *pieces*
-(`names.Piece`: an axis-aligned block that is one released tensor):
+(``models/hf_mapping.Piece``: an axis-aligned block that is one released tensor):
 
 - ``embedding.word_embeddings.weight`` / ``output_layer.weight``: ``embed.weight`` /
   ``head.weight``, their first ``vocab_size`` rows (megatron pads the vocabulary);
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import re
 
-from engram_train.hf.names import Piece, UnmappedTensorError
+from engram_train.models.hf_mapping import Piece, UnmappedTensorError, whole
 
 DERIVED = None
 """What `v41_pieces` returns for a checkpoint tensor the config determines (the Engram
@@ -48,10 +48,6 @@ VISION_BIAS = "ffn.gate.bias_vl"
 """Each layer's router bias for image tokens: zeros at NeMo's init, not in the text model."""
 
 
-def _whole(name: str, shape: tuple[int, ...]) -> list[Piece]:
-    return [Piece(name, (0,) * len(shape), tuple(shape))]
-
-
 def v41_pieces(key: str, shape: tuple[int, ...], vocab_size: int) -> list[Piece] | None:
     """The released tensors that checkpoint tensor `key` (global shape `shape`) holds, or
     `DERIVED`; `vocab_size`: the rows of the embedding and head that are released."""
@@ -61,7 +57,7 @@ def v41_pieces(key: str, shape: tuple[int, ...], vocab_size: int) -> list[Piece]
     if key == "output_layer.weight":
         return [Piece("head.weight", (0, 0), (vocab_size, shape[1]))]
     if key == "final_norm.weight":
-        return _whole("norm.weight", shape)
+        return whole("norm.weight", shape)
     match = _LAYER_KEY.match(key)
     if match is None:
         raise UnmappedTensorError(f"{key}: no DeepSeek-V4.1 released name for this checkpoint "
@@ -70,14 +66,14 @@ def v41_pieces(key: str, shape: tuple[int, ...], vocab_size: int) -> list[Piece]
     if rest == "engram.multi_head_embedding.offsets":
         return DERIVED
     if rest in _RENAMED:
-        return _whole(prefix + _RENAMED[rest], shape)
+        return whole(prefix + _RENAMED[rest], shape)
     if hc := _HC.match(rest):
-        return _whole(f"{prefix}hc_{hc.group(1)}_{hc.group(2)}", shape)
+        return whole(f"{prefix}hc_{hc.group(1)}_{hc.group(2)}", shape)
     if expert := _EXPERT.match(rest):
         return [Piece(f"{prefix}ffn.experts.{e}.{expert.group(1)}.weight", (e, 0, 0),
                       (1, *shape[1:]), True) for e in range(shape[0])]
     if _KEPT.match(rest):
-        return _whole(prefix + rest, shape)
+        return whole(prefix + rest, shape)
     raise UnmappedTensorError(f"{key}: no DeepSeek-V4.1 released name for this checkpoint tensor")
 
 

@@ -1,11 +1,11 @@
 """A DeepSeek-V4.1 folder read for import, quantized (the release's layout) or not.
 
-`V41Folder` is `source.HFFolder` with V4.1's storage: its names are the folder's less the
-``.scale`` tensors (a scale without its weight refused), a packed FP4 expert has its logical
-shape (twice the stored columns), and `read_block` dequantizes only the stored blocks a rank's
-slice needs (``v41_quant_layout.dequantize_from_release`` on safetensors ``get_slice``
-objects: the FP8/FP4 codes and E8M0 scale blocks of the slice, decoded a bounded number of rows
-at a time; floating tensors are read as stored). `check` reads every header once before the
+`V41Folder` is `models/hf_folder.HFFolder` with V4.1's storage: its names are the folder's
+less the ``.scale`` tensors (a scale without its weight refused), a packed FP4 expert has its
+logical shape (twice the stored columns), and `read_block` dequantizes only the stored blocks
+a rank's slice needs (``v41_quant_layout.dequantize_from_release`` on safetensors
+``get_slice`` objects: the FP8/FP4 codes and E8M0 scale blocks of the slice, decoded a bounded
+number of rows at a time; floating tensors are read as stored). `check` reads every header once before the
 model is built: a quantized weight without its scale, a scale of the wrong shape or dtype and a
 dtype no V4.1 tensor uses are refused in one line naming the tensor; a weight whose E8M0 scales
 are all byte 0 (2^-127: the whole weight decodes to about 0) is named in `warnings`.
@@ -15,15 +15,15 @@ from __future__ import annotations
 
 import torch
 
-from engram_train.hf.source import HFFolder
-from engram_train.hf.v41_quant import (
+from engram_train.models.hf_folder import HFFolder
+from engram_train.models.deepseek_v41.hf.v41_quant import (
     E8M0_NAN,
     V41QuantSourceError,
     check_stored,
     dtype_of,
     scale_name,
 )
-from engram_train.hf.v41_quant_layout import (
+from engram_train.models.deepseek_v41.hf.v41_quant_layout import (
     dequantize_from_release,
     quantized_format,
     release_shape,

@@ -21,7 +21,7 @@ import re
 
 import torch
 
-from engram_train.hf.v41_quant import (
+from engram_train.models.deepseek_v41.hf.v41_quant import (
     E8M0_BIAS,
     FP8_ZERO_BLOCK_EXPONENT,
     QUANTIZED_FORMATS,

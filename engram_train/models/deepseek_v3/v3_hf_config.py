@@ -1,7 +1,7 @@
 """A run's model section <-> transformers' DeepSeek-V3 ``config.json``.
 
 Export (`hf_config`): the megatron fields the trainer built the model from, with DeepSeek-V3's
-defaults (``models/deepseek_v3/v3_config.py``) and megatron's own, become ``DeepseekV3Config`` fields.
+defaults (``v3_config.py``) and megatron's own, become ``DeepseekV3Config`` fields.
 A field the transformers model cannot express is refused by name. Import (`preset_from_hf`):
 every field of a DeepSeek-V3 ``config.json`` is mapped to a model-preset field, accepted as
 not part of the model (metadata, generation, inference layout), or refused with the reason.
@@ -13,12 +13,7 @@ import dataclasses
 import math
 from typing import Any
 
-from engram_train.errors import EngramError
-
-
-class HFConfigError(EngramError, ValueError):
-    """A field that cannot be converted; the message names it and says what to change."""
-
+from engram_train.models.hf_mapping import NOT_THE_MODEL, HFConfigError
 
 LATENT_NORM_EPS = 1e-6  # transformers' q_a_layernorm / kv_a_layernorm use their default eps
 
@@ -139,18 +134,6 @@ def hf_config(model: dict, vocab_size: int, seq_length: int | None = None) -> di
 
 
 # -- import: a DeepSeek-V3 config.json -> model-preset fields -------------------------------
-
-# Fields that describe no weight or computation of the model (metadata, generation, the
-# inference layout); accepted as they are.
-NOT_THE_MODEL = {
-    "architectures", "model_type", "transformers_version", "torch_dtype", "dtype", "use_cache",
-    "bos_token_id", "eos_token_id", "pad_token_id", "auto_map", "ep_size", "output_router_logits",
-    "router_aux_loss_coef", "max_position_embeddings", "initializer_range", "_name_or_path",
-    "head_dim", "qk_head_dim", "num_mtp_layers", "seq_aux", "tie_word_embeddings",
-    "num_nextn_predict_layers", "quantization_config", "rope_interleave", "id2label",
-    "label2id", "return_dict", "output_hidden_states", "output_attentions",
-}
-
 
 def _refuse(field: str, value: Any, why: str) -> None:
     raise HFConfigError(f"config.json {field}={value!r}: {why}")
