@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from engram_train.checkpoint.state import all_finite, nonfinite_parameter
 from engram_train.training.rowwise_adam import RowwiseAdam
-from engram_train.training.table_optimizer_state import copy_rows
+from engram_train.training.row_copy import copy_rows
 
 ROWS, D = 4096, 16  # 64k values: 128 KiB in bf16
 BLOCK = 4096  # bytes per block in the checks below (1/32 of the table as float32)
@@ -110,7 +110,7 @@ def test_loading_other_tensors_copies_into_the_live_ones_by_blocks(saved_dtype, 
     param2 = table()
     opt2 = RowwiseAdam([param2], lr=1e-3, state_dtype=loaded_dtype, seed=1)
     live = {k: v for k, v in opt2.init_state(param2).items() if k != "step"}
-    monkeypatch.setattr("engram_train.training.table_optimizer_state.COPY_BLOCK_BYTES", BLOCK)
+    monkeypatch.setattr("engram_train.training.row_copy.COPY_BLOCK_BYTES", BLOCK)
     with LargestAllocation() as mode:
         opt2.load_state_dict(saved)
     assert mode.largest <= BLOCK

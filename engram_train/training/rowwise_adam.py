@@ -46,6 +46,7 @@ from engram_train.engram.fp8_table import (
     table_scale,
 )
 from engram_train.errors import InputError
+from engram_train.training.row_copy import copy_rows
 from engram_train.training.sparse_adam import RowOptimizer
 from engram_train.training.stochastic_rounding import (
     STREAM_MOMENT,
@@ -104,8 +105,6 @@ class RowwiseAdam(RowOptimizer):
         live tensors themselves (`TableOptimizerState.sharded_state_dict` gave them to the
         load), which are kept as they are; other tensors are copied in by blocks of rows
         (`copy_rows`), so a load never holds a second table-sized tensor."""
-        from engram_train.training.table_optimizer_state import copy_rows
-
         moment_keys = ("exp_avg", "exp_avg_sq_row")
         saved = {pid: {k: s[k] for k in moment_keys if k in s}
                  for pid, s in state_dict["state"].items()}

@@ -16,9 +16,9 @@ from megatron.core.dist_checkpointing.optimizer import (
     optim_state_to_sharding_state,
 )
 
+from engram_train.training.row_copy import copy_rows
 from engram_train.training.rowwise_adam import RowwiseAdam
 from engram_train.training.sparse_adam import RowOptimizer
-from engram_train.errors import InputError
 
 # Optimizer-state layouts: a checkpoint resumes only into an optimizer of the same layout.
 ROWWISE_STATE = "rowwise"
@@ -132,30 +132,3 @@ def _row_vector_sharded(model_param, row_vector: torch.Tensor, prefix: str):
     )
     sharded.validate_metadata_integrity()
     return sharded
-
-
-# Loaded optimizer state is copied into the live tensors by blocks of rows of about this many
-# bytes where the copy converts (dtype or device), so no table-sized temporary is made.
-COPY_BLOCK_BYTES = 8 * 2**20
-
-
-def copy_rows(target: torch.Tensor, source: torch.Tensor, block_bytes: int | None = None) -> None:
-    """``target.copy_(source)`` (same shape) without a temporary the size of ``target``:
-    nothing when ``source`` is ``target``'s own memory (a checkpoint loaded into the live
-    tensor), one copy when dtype and device agree, else blocks of leading-dimension rows of
-    about ``block_bytes`` (in the wider dtype; default `COPY_BLOCK_BYTES`)."""
-    if source.shape != target.shape:
-        raise InputError(f"loaded state of shape {tuple(source.shape)} for a tensor of shape "
-                         f"{tuple(target.shape)}")
-    if (source.device == target.device and source.data_ptr() == target.data_ptr()
-            and source.dtype == target.dtype and source.stride() == target.stride()):
-        return
-    with torch.no_grad():
-        if (source.dtype == target.dtype and source.device == target.device) or target.dim() == 0:
-            target.copy_(source)
-            return
-        row = max(1, target[0].numel()) if target.numel() else 1
-        width = max(source.element_size(), target.element_size())
-        step = max(1, (block_bytes or COPY_BLOCK_BYTES) // (width * row))
-        for start in range(0, target.shape[0], step):
-            target[start:start + step].copy_(source[start:start + step])
