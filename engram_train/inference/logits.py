@@ -254,15 +254,15 @@ def position_ids(cfg, tokens: torch.Tensor) -> torch.Tensor:
 def microbatches(plan: LogitsPlan, ids: torch.Tensor) -> list[dict]:
     """One micro-batch per sequence, as the trainer's data path hands them to the model (hash
     ids from ``hash_block``); extended to a multiple of the tensor-parallel size under
-    sequence parallelism, the extension marked as padding for DeepSeek-V4.1 (module
-    docstring)."""
-    from engram_train.config.family import DEEPSEEK_V41, model_family
+    sequence parallelism, the extension marked as padding for a family whose model reads it
+    (DeepSeek-V4.1's; module docstring)."""
+    from engram_train.models.families import family_of
 
     tp, length = plan.model_config.tensor_model_parallel_size, ids.shape[1]
     if plan.model_config.sequence_parallel and length % tp:
         extra = tp - length % tp
         ids = torch.cat([ids, ids[:, -1:].expand(-1, extra)], dim=1)
-    mark_padding = model_family(plan.model_config) == DEEPSEEK_V41 and ids.shape[1] > length
+    mark_padding = family_of(plan.model_config).reads_padding_mask and ids.shape[1] > length
     batches = []
     for row in ids.split(1):
         # `model_inputs` reads labels; the logits' forward drops them (`_logits_step`)
