@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from omegaconf import OmegaConf
 
+from engram_train.config import resolve
+
 PIPELINE_SIZES = (1, 2, 4, 5, 8)
 
 
@@ -37,7 +39,7 @@ def candidates(cfg, world: int, nproc_per_node: int, num_layers: int, num_expert
     tp_set, pp_set = int(s.tensor_model_parallel_size), int(s.pipeline_model_parallel_size)
     cp = int(s.context_parallel_size or 1)
     ep_set = int(s.expert_model_parallel_size)
-    eps_set = int(cfg.model.get("engram_embedding_parallel_size", 1) or 1)
+    eps_set = int(resolve(cfg.model)["engram_embedding_parallel_size"])
     tps = [tp_set] if tp_set > 1 else [t for t in (1, 2, 4, 8, 16) if t <= nproc_per_node]
     pps = [pp_set] if pp_set > 1 else [p for p in PIPELINE_SIZES if num_layers % p == 0]
     out = []
