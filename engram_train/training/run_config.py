@@ -86,7 +86,7 @@ def validate_run_config(cfg, world_size: int, check_data: bool = True):
     dp = data_parallel_size(cfg, world_size)
     _check_batch(cfg, dp, world_size)
     check_schedule(cfg.train)
-    check_data_keys(cfg.data, preset_family(cfg.model))
+    check_data_keys(cfg.data, model_family_of(cfg))
     _check_model_family_layout(cfg, p)
     _check_pipeline(cfg, p, dp)
     _check_precision(cfg)

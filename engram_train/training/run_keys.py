@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 import re
 
-from engram_train.config.family import DEEPSEEK_V41
 from engram_train.errors import ConfigError
 
 
@@ -29,17 +28,14 @@ def check_schedule(t) -> None:
         raise ConfigError(f"train.weight_decay={t.weight_decay:g} must be >= 0")
 
 
-def check_data_keys(d, family: str) -> None:
+def check_data_keys(d, family) -> None:
     """The ``data`` keys that need no file: the split, the attention mask, the hash threads;
-    `family` is the model's (``model_family``), whose way to packed documents the message
-    names."""
+    `family` is the model's (``models/families.ModelFamily``), whose way to packed documents
+    the message names (its ``packed_documents``)."""
     check_split(d.split)
-    if d.reset_attention_mask and family == DEEPSEEK_V41:
-        raise ConfigError(
-            "data.reset_attention_mask=true is not supported: DeepSeek-V4.1 does not read "
-            "megatron's per-document mask. Set data.reset_attention_mask=false and, for packed "
-            "documents, model.document_eos_id=<the EOS id> (attention, compression and selection "
-            "per document, positions restarting; docs/deepseek-v41.md)")
+    if d.reset_attention_mask and family.packed_documents is not None:
+        raise ConfigError("data.reset_attention_mask=true is not supported: "
+                          f"{family.packed_documents}")
     if d.reset_attention_mask:
         raise ConfigError(
             "data.reset_attention_mask=true is not supported: the trainer's attention (local and "

@@ -17,6 +17,10 @@ from engram_train.models.hf_mapping import HFImport, HFMapping, ImportOptions
 from engram_train.models.model_family import ModelFamily
 
 PRESETS = ("deepseek_v41_tiny", "deepseek_v41_flash")
+PACKED_DOCUMENTS = (
+    "DeepSeek-V4.1 does not read megatron's per-document mask. Set data.reset_attention_mask="
+    "false and, for packed documents, model.document_eos_id=<the EOS id> (attention, compression "
+    "and selection per document, positions restarting; docs/deepseek-v41.md)")
 
 
 def build_model(config, *, use_te: bool | None = None, vp_stage: int | None = None, **kwargs):
@@ -87,4 +91,4 @@ def _hf() -> HFMapping:
 FAMILY = ModelFamily(
     name=DEEPSEEK_V41, description=MODEL_FAMILIES[DEEPSEEK_V41], build_model=build_model,
     transformer_config=transformer_config, backbone_fields=backbone_fields, presets=PRESETS,
-    check_run=check_run, hf=_hf(), reads_padding_mask=True)
+    check_run=check_run, hf=_hf(), packed_documents=PACKED_DOCUMENTS, reads_padding_mask=True)
