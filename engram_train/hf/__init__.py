@@ -4,7 +4,8 @@
 - `EngramDeepseekV3ForCausalLM` / `EngramDeepseekV3Config` (``model_type``
   ``engram_deepseek_v3``): Engram on transformers' DeepSeek-V3, registered with the Auto
   classes by ``import engram_train.hf``;
-- ``engram-import-hf``: a DeepSeek-V3 folder -> a checkpoint the trainer continues from.
+- ``engram-import-hf``: a transformers folder of a registered model family (DeepSeek-V3's,
+  DeepSeek-V4.1's; ``models/families.py``) -> a checkpoint the trainer continues from.
 
 transformers is an optional dependency (``pip install -e ".[hf]"``): without it the export
 and import still run, and the modeling classes are missing.
