@@ -31,7 +31,7 @@ heads / TP, ``d`` head_dim, ``G`` o_groups / TP, ``f`` moe_intermediate_size, ``
   compressor's float32 projections ``2 x 4 d`` (``wkv`` and ``wgate``);
 - MoE: norm in/out, the router's float32 logits, scores and probabilities ``3 x 4 E``, per
   routed copy what the grouped experts keep (``v41_grouped_experts``: the dispatched row
-  ``a h_full``, the gate and up GEMM outputs ``2 a f``, the float32 routing weight and the
+  ``a h_full`` and the expert's output row the weighted combine keeps ``a h_full``, the gate and up GEMM outputs ``2 a f``, the float32 routing weight and the
   int64 pair indices, ``ROUTED_PAIR_BYTES``; the rest recomputed in their backward), divided
   by TP under sequence parallelism (each TP rank routes its own sequence slice to whole
   experts); the shared expert's clamped SwiGLU (gate and up in ``a``, its float32 product,
@@ -152,7 +152,8 @@ def moe_per_token(config, h: int, h_full: int, tp: int, share: int, a: int) -> i
     args = _args(config)
     f, k, e = args.moe_intermediate_size, args.num_experts_per_tok, args.n_routed_experts
     swiglu = 3 * a + 12 + (BF16_SWIGLU_F if a < 4 else 0)
-    routed = k * (a * h_full + 2 * a * f + ROUTED_PAIR_BYTES) // share  # `routed_token_share`
+    # the dispatched row and the expert's output row the weighted combine keeps
+    routed = k * (2 * a * h_full + 2 * a * f + ROUTED_PAIR_BYTES) // share  # `routed_token_share`
     shared = args.n_shared_experts * swiglu * f // tp
     extra = BF16_MOE_H * h_full if a < 4 else 0
     return a * (h + h_full) + 3 * 4 * e + routed + shared + extra
