@@ -31,8 +31,8 @@ heads / TP, ``d`` head_dim, ``G`` o_groups / TP, ``f`` moe_intermediate_size, ``
   compressor's float32 projections ``2 x 4 d`` (``wkv`` and ``wgate``);
 - MoE: norm in/out, the router's float32 logits, scores and probabilities ``3 x 4 E``, per
   routed copy what the grouped experts keep (``v41_grouped_experts``: the dispatched row
-  ``a h_full`` and the expert's output row the weighted combine keeps ``a h_full``, the gate and up GEMM outputs ``2 a f``, the float32 routing weight and the
-  int64 pair indices, ``ROUTED_PAIR_BYTES``; the rest recomputed in their backward), divided
+  ``a h_full`` and the expert's output row the weighted combine keeps ``a h_full``, the gate
+  and up GEMM outputs ``2 a f``, the float32 routing weight and the int64 pair indices, ``ROUTED_PAIR_BYTES``; the rest recomputed in their backward), divided
   by TP under sequence parallelism (each TP rank routes its own sequence slice to whole
   experts); the shared expert's clamped SwiGLU (gate and up in ``a``, its float32 product,
   the rounded input of ``w2``) ``(3 a + 12) f / TP``;
