@@ -7,7 +7,8 @@ count ``n`` (world ``W = n x nproc_per_node``):
 - TP in 1, 2, 4, ... up to the GPUs of a node (tensor parallelism stays inside a node);
 - PP in 1, 2, 4, 5, 8 among the divisors of the layer count;
 - EP the largest divisor of the expert count that divides DP x CP (the project's rule,
-  ``runtime.ParallelSizes.validate``; experts split over EP x TP);
+  ``runtime.ParallelSizes.validate``; DeepSeek-V3's megatron experts split over EP x TP,
+  DeepSeek-V4.1's over EP and replicated over TP);
 - the Engram embedding-parallel size the ranks of a pipeline stage, ``W / PP`` (the tables
   split as far as they can: ``alltoall`` method only; ``allreduce`` splits them over TP);
 - data parallelism the rest. CP, recompute, batch sizes and everything else are the config's.
