@@ -22,16 +22,6 @@ SHARED = ("hf", "export", "memory_plan", "training", "inference", "checkpoint")
 FAMILY_MODULE = re.compile(r"^v(3|41)_")
 ENTRY_POINT = re.compile(r"(engram_train(?:\.\w+)+):\w+")
 
-# Arrows from a shared package into a family folder still to remove by moving code (importer ->
-# imported); the list may only shrink.
-KNOWN_FAMILY_IMPORTS: set[tuple[str, str]] = {
-    ("engram_train.memory_plan.v41_plan", "engram_train.models.deepseek_v41.v41_csa"),
-    ("engram_train.memory_plan.v41_plan",
-     "engram_train.models.deepseek_v41.v41_sparse_attention"),
-}
-# Family modules outside their family's folder, still to move; the list may only shrink.
-KNOWN_STRAYS = {"engram_train.memory_plan.v41_plan"}
-
 
 def sources() -> dict[str, str]:
     """module name (``engram_train.hf.importer``, ``engram_train.models.__init__``) -> text."""
@@ -153,8 +143,7 @@ def strays(texts: dict[str, str]) -> set[str]:
 
 def test_family_modules_live_in_their_folders():
     texts = sources()
-    assert strays(texts) - KNOWN_STRAYS == set()
-    assert KNOWN_STRAYS - strays(texts) == set(), "a module moved: drop it from KNOWN_STRAYS"
+    assert strays(texts) == set()
     texts["engram_train.export.v41_synthetic"] = "X = 1\n"
     assert "engram_train.export.v41_synthetic" in strays(texts)
 
@@ -176,8 +165,7 @@ def family_imports(texts: dict[str, str]) -> set[tuple[str, str]]:
 def test_shared_packages_never_import_a_family_folder():
     texts = sources()
     found = family_imports(texts)
-    assert found - KNOWN_FAMILY_IMPORTS == set()
-    assert KNOWN_FAMILY_IMPORTS - found == set(), "an arrow was removed: drop it from the list"
+    assert found == set()
     texts["engram_train.training.synthetic"] = (
         "def f():\n    from engram_train.models.deepseek_v41 import v41_config\n")
     texts["engram_train.hf.synthetic"] = (

@@ -110,7 +110,7 @@ def test_v41_parameters_by_rank_share(one_rank):
     cache: dict = {}
     plan = make_plan(cfg, 64, 8, 129280, "cuda", 141 * GIB, 2 << 40, cache=cache)
     assert plan.layout.etp == 1 and plan.layout.table_shards == 64 and plan.layout.expert_dp == 1
-    sp = stage_params(cache["model"], cache["v41_config"], plan.layout)[0]
+    sp = stage_params(cache["model"], cache["validated_config"], plan.layout)[0]
     assert sp.params["routed_experts"] == ROUTED // 8
     assert sp.params["engram_tables"] == pytest.approx(196_613_849_600 / 64, rel=1e-6)
     assert sp.frozen > 0 and sp.fp32_kept > 0
@@ -146,7 +146,7 @@ def test_v41_layer_activations_against_saved_tensors(one_rank):
     import torch
 
     from engram_train.engram.variant import build_hash_mapping
-    from engram_train.memory_plan import v41_plan
+    from engram_train.models.deepseek_v41 import v41_plan
     from engram_train.memory_plan.plan_layout import Layout
     from engram_train.models.builder import build_gpt_model
     from engram_train.training.param_count import compose_config

@@ -312,7 +312,7 @@ def test_plan_expert_bytes_equal_the_model_on_tp2_ep2(one_rank, tp2_ep2):
                           "system.expert_model_parallel_size=2", "train.global_batch_size=4"])
     cache: dict = {}
     plan = make_plan(cfg, 4, 4, 1024, "cpu", 64 << 30, 64 << 30, cache=cache)
-    planned = stage_params(cache["model"], cache["v41_config"], plan.layout)[0].params["routed_experts"]
+    planned = stage_params(cache["model"], cache["validated_config"], plan.layout)[0].params["routed_experts"]
     held = {rank["routed_expert_numel"] for rank in tp2_ep2}
     assert held == {planned}, (held, planned)
     assert planned == 7 * 3 * (4 // 2) * 64 * 32  # layers x w1/w3/w2 x local experts x sizes

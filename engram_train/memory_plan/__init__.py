@@ -12,7 +12,8 @@ breakdown of what its ranks hold. One concept per module:
 - ``activations.py``: one micro-batch's saved activations by layer type (mHC apart), recompute,
   pipeline in-flight micro-batches, logits, prefetch buffers.
 - ``fixed.py``: the fixed costs of a process (measured on CPU, stated assumptions on GPU).
-- ``v41_plan.py``: DeepSeek-V4.1's parameters, rank shares and layer activations.
+- a model family's own terms (its ``plan``, ``models/model_family.PlanTerms``; DeepSeek-V4.1's
+  in ``models/deepseek_v41/v41_plan.py``): its parameters, rank shares and layer activations.
 - ``node_search.py``: ``--search-nodes``, the smallest node count that fits.
 - ``report.py``: the plan per rank kind, whether it fits, the largest items and their fields.
 - ``cli.py``: the ``engram-plan`` command (docs/memory.md).

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engram_train.memory_plan import v41_plan
+from engram_train.models.families import family_of
 from engram_train.memory_plan.plan_layout import Layout
 
 
@@ -176,15 +176,15 @@ def stage_activations(config, layout: Layout, stage: int, layers: list[int], a: 
     the loss on the last stage, the embedding output on the first."""
     w = widths(config, layout)
     t = layout.tokens
-    v41 = v41_plan.is_v41(config)
-    if v41:
-        per_layer = [v41_plan.layer_per_token(config, layout, a, i) for i in layers]
+    terms = family_of(config).plan  # the family's own terms (DeepSeek-V4.1's), or None
+    if terms is not None:
+        per_layer = [terms.layer_per_token(config, layout, a, i) for i in layers]
     else:
         kinds = layer_kinds(config)
         per_layer = [layer_per_token(config, w, a, i, kinds[i]) for i in layers]
     n = config.num_residual_streams if config.enable_hyper_connections else 1
-    if v41:
-        n = config.deepseek_v41.hc_mult
+    if terms is not None:
+        n = terms.residual_streams(config)
     full = config.recompute_granularity == "full"
     chunks, _ = in_flight_chunks(stage, layout)
     per_chunk = (layout.vpp or 1)
@@ -203,20 +203,19 @@ def stage_activations(config, layout: Layout, stage: int, layers: list[int], a: 
     items = {k: int(v * scale) for k, v in items.items()}
     one_layer = max((sum(p.values()) for p in per_layer), default=0) * t
     items["backward_working_set"] = one_layer * (2 if full else 1)
-    if v41:  # the indexer's and the sparse attention's blocks, one layer at a time
-        transients = (v41_plan.indexer_transient(config, layout, i)
-                      + v41_plan.attention_transient(config, layout, i, a) for i in layers)
+    if terms is not None:  # V4.1: the indexer's and the sparse attention's blocks, per layer
+        transients = (terms.layer_transient(config, layout, i, a) for i in layers)
         items["backward_working_set"] += max(transients, default=0)
-    scores = 0 if v41 else attention_scores_per_layer(config, layout, a, device)
+    scores = 0 if terms is not None else attention_scores_per_layer(config, layout, a, device)
     if scores:  # one layer's float32 score transients (plus its saved ones under full recompute)
         items["attention_score_transients"] = int(scores * (SCORE_TRANSIENTS + (1 if full else 0)))
     if stage == 0:
         items["embedding_output"] = t * a * n * w.h * chunks
     if stage == layout.pp - 1:
-        entry = v41_plan.logits_bytes_per_entry(a) if v41 else a + 4 + 4
+        entry = terms.logits_bytes_per_entry(a) if terms is not None else a + 4 + 4
         items["logits_and_loss"] = t * (vocab // layout.tp) * entry
-        if v41:
-            items["backward_working_set"] = v41_plan.backward_beyond_logits(
+        if terms is not None:
+            items["backward_working_set"] = terms.backward_beyond_logits(
                 items["backward_working_set"], items["logits_and_loss"])
     return items
 
@@ -226,7 +225,7 @@ def single_tensor_bytes(config, layout: Layout, vocab: int, device: str) -> dict
     unfused attention scores, the float32 logits); the CPU heap's model needs it, since glibc
     mmaps a tensor of 32 MiB or more and leaves no hole where it was (cpu_heap.py)."""
     out = {"logits_and_loss": layout.tokens * (vocab // layout.tp) * 4}
-    if not v41_plan.is_v41(config):
+    if family_of(config).plan is None:
         score = attention_scores_per_layer(config, layout, 4, device)
         out["attention_scores (unfused)"] = out["attention_score_transients"] = score
     return out
@@ -234,9 +233,10 @@ def single_tensor_bytes(config, layout: Layout, vocab: int, device: str) -> dict
 
 def _scores(config, layout: Layout, a: int, device: str, layers: list[int]) -> int:
     """Unfused attention scores the stage's layers keep (the CPU's attention only)."""
-    if not v41_plan.is_v41(config):
+    terms = family_of(config).plan
+    if terms is None:
         return attention_scores_per_layer(config, layout, a, device) * len(layers)
-    return sum(v41_plan.cpu_scores_per_layer(config, layout, i) for i in layers)
+    return sum(terms.scores_per_layer(config, layout, i) for i in layers)
 
 
 def prefetch_bytes(config, layout: Layout) -> int:

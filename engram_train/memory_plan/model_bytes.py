@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engram_train.memory_plan import v41_plan
+from engram_train.models.families import family_of
 from engram_train.memory_plan.plan_layout import Layout
 
 # Parameter categories, by how a rank holds them: "dense" parameters are in megatron's DDP and
@@ -57,9 +57,9 @@ def category(name: str, param) -> str:
     return "norms"
 
 
-def _divisor(cat: str, name: str, layout: Layout, v41: bool = False) -> int:
-    if v41 and cat in ("attention", "shared_experts"):
-        return layout.tp if v41_plan.tp_split(name) else 1
+def _divisor(cat: str, name: str, layout: Layout, terms=None) -> int:
+    if terms is not None and cat in ("attention", "shared_experts"):
+        return layout.tp if terms.tp_split(name) else 1
     if cat == "routed_experts":
         return layout.ep * layout.etp
     if cat == "engram_tables":
@@ -96,20 +96,20 @@ def stage_params(model, config, layout: Layout) -> list[StageParams]:
     """``StageParams`` of every pipeline stage (each rank of a stage holds the same amounts)."""
     stages = [StageParams(s) for s in range(layout.pp)]
     seen: set[int] = set()
-    v41 = v41_plan.is_v41(config)
+    terms = family_of(config).plan  # the family's own terms (DeepSeek-V4.1's), or None
     for name, param in model.named_parameters():
         if id(param) in seen:
             continue
         seen.add(id(param))
-        cat = v41_plan.category(name, param) if v41 else category(name, param)
-        match = (v41_plan.LAYER if v41 else _LAYER).match(name)
+        cat = terms.category(name, param) if terms is not None else category(name, param)
+        match = (terms.layer_pattern if terms is not None else _LAYER).match(name)
         if match:
             where = [stage_of_layer(int(match.group(1)), config.num_layers, layout)]
         elif cat == "embedding":
             where = [0]
         else:  # output layer, final norm, mHC head
             where = [layout.pp - 1]
-        div = _divisor(cat, name, layout, v41)
+        div = _divisor(cat, name, layout, terms)
         if cat == "engram_tables":
             rows = -(-param.shape[0] // div)
             n = rows * param.shape[1]
@@ -123,7 +123,7 @@ def stage_params(model, config, layout: Layout) -> list[StageParams]:
                 stages[s].table_rows += rows
             elif not param.requires_grad:
                 stages[s].frozen += n
-            if v41 and cat != "engram_tables" and param.dtype == torch.float32:
+            if terms is not None and cat != "engram_tables" and param.dtype == torch.float32:
                 stages[s].fp32_kept += n
     return stages
 

@@ -50,15 +50,17 @@ def make_plan(cfg, world: int, nproc_per_node: int, vocab_size: int | None = Non
     from engram_train.memory_plan.plan_layout import layout_of
     from engram_train.memory_plan.model_bytes import stage_of_layer, stage_params
     from engram_train.memory_plan.plan_report import Plan, plan_stage
-    from engram_train.training.run_config import padded_vocab_size, validate_run_config
+    from engram_train.training.run_config import (
+        model_family_of,
+        padded_vocab_size,
+        parallel_sizes,
+        validate_run_config,
+    )
 
-    from engram_train.config.family import DEEPSEEK_V41, preset_family
-    from engram_train.memory_plan import v41_plan
-
-    v41 = preset_family(cfg.model) == DEEPSEEK_V41
+    terms = model_family_of(cfg).plan  # the family's own terms (DeepSeek-V4.1's), or None
     cache = {} if cache is None else cache
-    if v41:  # the layout the trainer refuses for now, planned
-        config, notes = _validated_v41(cfg, world, cache)
+    if terms is not None:  # the layout the trainer refuses for now, planned
+        config, notes = _validated_with_terms(cfg, world, cache, terms)
     else:
         config, notes = validate_run_config(cfg, world, check_data=False), []
     if vocab_size is None:
@@ -67,13 +69,13 @@ def make_plan(cfg, world: int, nproc_per_node: int, vocab_size: int | None = Non
         vocab_size = load_tokenizer(cfg.data.tokenizer).vocab_size
     padded = padded_vocab_size(vocab_size, int(cfg.system.tensor_model_parallel_size))
     layout = layout_of(cfg, config, world, nproc_per_node)
-    if v41:  # the sizes of cfg, not of the validated copy
-        layout = v41_plan.layout_sizes(cfg, config, layout)
+    if terms is not None:  # the sizes of cfg, not of the validated copy
+        layout = terms.layout_sizes(config, layout, parallel_sizes(cfg))
     model = cache.setdefault("model", model)
     if model is None:
         model = cache["model"] = meta_model(config, padded, int(cfg.train.seq_length))
-    if v41:
-        config = v41_plan.with_recompute(cfg, config)
+    if terms is not None:
+        config = terms.with_recompute(cfg, config)
     ranks = []
     for sp in stage_params(model, config, layout):
         layers = [i for i in range(config.num_layers) if stage_of_layer(i, config.num_layers, layout) == sp.stage]
@@ -82,30 +84,30 @@ def make_plan(cfg, world: int, nproc_per_node: int, vocab_size: int | None = Non
     return Plan(layout, device, device_memory, host_memory, ranks, notes=notes)
 
 
-def _validated_v41(cfg, world: int, cache: dict):
-    """V4.1's config, validated with its layout sizes at 1 (``v41_plan.validation_cfg``; once
-    per search, kept in ``cache``), and the layout's own checks; the notes of the report."""
-    from engram_train.memory_plan import v41_plan
-    from engram_train.training.run_config import ConfigError, validate_run_config
+def _validated_with_terms(cfg, world: int, cache: dict, terms):
+    """The family's config (DeepSeek-V4.1's), validated with its layout sizes at 1 (its
+    ``validation_cfg``; once per search, kept in ``cache``), and the layout's own checks; the
+    notes of the report."""
+    from engram_train.training.run_config import ConfigError, parallel_sizes, validate_run_config
 
-    config = cache.get("v41_config")
+    config = cache.get("validated_config")
     if config is None:
         s = cfg.system
         dp = world // (int(s.tensor_model_parallel_size) * int(s.pipeline_model_parallel_size)
                        * int(s.context_parallel_size or 1))
-        copy = v41_plan.validation_cfg(cfg)
+        copy = terms.validation_cfg(cfg)
         # the copy's tensor-parallel size is 1: its sequence parallelism follows it (the
         # layout's own, cfg's, is what the plan reads: plan_layout.layout_of)
         copy.system.sequence_parallel = "auto"
         config = validate_run_config(copy, max(dp, 1), check_data=False)
-        cache["v41_config"] = config
-    v41_plan.check_layout(cfg, config, world)
+        cache["validated_config"] = config
+    terms.check_layout(cfg, config, world, parallel_sizes(cfg))
     if cache.get("searching"):  # the layout found gets its note (search_plan)
         return config, []
     try:  # what the trainer itself refuses of this layout today
         validate_run_config(cfg, world, check_data=False)
     except ConfigError as e:
-        return config, [f"{v41_plan.NOT_TRAINABLE_YET}: the trainer refuses it today: {e}"]
+        return config, [f"{terms.not_trainable}: the trainer refuses it today: {e}"]
     return config, []
 
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engram_train.memory_plan import activations, cpu_heap, engram_tables, fixed, optimizer_bytes, v41_plan
+from engram_train.memory_plan import activations, cpu_heap, engram_tables, fixed, optimizer_bytes
+from engram_train.models.families import family_of
 from engram_train.memory_plan.plan_layout import Layout
 from engram_train.memory_plan.model_bytes import StageParams, grad_buffer_bytes, weight_bytes
 
@@ -135,7 +136,8 @@ def plan_stage(config, layout: Layout, sp: StageParams, layers: list[int], preci
         rp.add(name, "device", "persistent", nbytes)
     for name, nbytes in fixed.host_fixed_items(device, cpu_baseline):
         rp.add(name, "host", "persistent", nbytes)
-    kinds = None if v41_plan.is_v41(config) else activations.layer_kinds(config)
+    terms = family_of(config).plan  # the family's own terms (DeepSeek-V4.1's), or None
+    kinds = None if terms is not None else activations.layer_kinds(config)
     moe_layers = sum(1 for i in layers if kinds is None or kinds[i] == "moe")
     batches = None
     if layout.train_iters and config.num_moe_experts:
@@ -145,7 +147,7 @@ def plan_stage(config, layout: Layout, sp: StageParams, layers: list[int], preci
         rp.add(name, "host", "persistent", nbytes)
     if device == "cpu":
         passes = layout.train_iters * layout.num_micro if layout.train_iters else None
-        fraction = (v41_plan.CPU_HEAP_HOLE_FRACTION if v41_plan.is_v41(config)
+        fraction = (terms.cpu_heap_hole_fraction if terms is not None
                     else cpu_heap.CPU_HEAP_HOLE_FRACTION)
         holes = cpu_heap.heap_hole_bytes(step, activations.single_tensor_bytes(config, layout, vocab, device),
                                          passes, fraction)

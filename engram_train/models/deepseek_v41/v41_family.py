@@ -1,7 +1,8 @@
 """DeepSeek-V4.1 as a model family (``models/families.py``): its config (``v41_config.py``,
 V4.1's own names), its model (``v41_model.DeepseekV41GPTModel``), its rules on a run's layout,
 its transformers mapping (``hf/``: the released names, config map, quantized layout and
-folder reader; the export of its released layout) and its presets. Registered by
+folder reader; the export of its released layout), its memory-plan terms (``v41_plan.py``)
+and its presets. Registered by
 ``families.py`` on first use; the shared packages reach it through
 ``families.get_family("deepseek_v41")``.
 """
@@ -13,6 +14,7 @@ from pathlib import Path
 
 from engram_train.config.family import DEEPSEEK_V41, MODEL_FAMILIES
 from engram_train.errors import ConfigError
+from engram_train.models.deepseek_v41.v41_plan import TERMS
 from engram_train.models.hf_mapping import HFImport, HFMapping, ImportOptions
 from engram_train.models.model_family import ModelFamily
 
@@ -91,4 +93,5 @@ def _hf() -> HFMapping:
 FAMILY = ModelFamily(
     name=DEEPSEEK_V41, description=MODEL_FAMILIES[DEEPSEEK_V41], build_model=build_model,
     transformer_config=transformer_config, backbone_fields=backbone_fields, presets=PRESETS,
-    check_run=check_run, hf=_hf(), packed_documents=PACKED_DOCUMENTS, reads_padding_mask=True)
+    check_run=check_run, hf=_hf(), plan=TERMS, packed_documents=PACKED_DOCUMENTS,
+    reads_padding_mask=True)

@@ -1,5 +1,6 @@
-"""DeepSeek-V4.1 in the plan: its parameters by category and rank share, its layer's
-activations, and its layout check (docs/deepseek-v41.md 'Continued training, planned').
+"""DeepSeek-V4.1 in the plan (``engram-plan``, ``memory_plan/``; this family's `PlanTerms`,
+`TERMS`): its parameters by category and rank share, its layer's activations, and its layout
+check (docs/deepseek-v41.md 'Continued training, planned').
 
 Parameters come from ``DeepseekV41GPTModel`` built on the meta device (``layers.{i}.attn.*``,
 ``.ffn.experts.*``, ...), with their own dtypes: under bf16 the mHC mappings, the sinks, the
@@ -52,7 +53,8 @@ from __future__ import annotations
 
 import re
 
-from engram_train.config.family import DEEPSEEK_V41, model_family
+from engram_train.errors import ConfigError
+from engram_train.models.model_family import PlanTerms
 
 LAYER = re.compile(r"^layers\.(\d+)\.")
 # Under bf16 the V4.1 forward's casts to float32 (the RoPE's complex product, the clamped
@@ -79,10 +81,6 @@ threshold peak within 4% at 4096 and 16384 tokens. Held out: the tiny preset at 
 SELECTION_BYTES = 8  # per selected compressed key of a token: the int64 selection
 # Split over TP as megatron would split them (module docstring); the rest of a layer replicated.
 _TP_SPLIT = re.compile(r"\.attn\.(wq_b|wo_a|wo_b|attn_sink)\b|\.ffn\.shared_experts\.")
-
-
-def is_v41(config) -> bool:
-    return model_family(config) == DEEPSEEK_V41
 
 
 def category(name: str, param) -> str:
@@ -279,13 +277,11 @@ def validation_cfg(cfg):
     return plain
 
 
-def check_layout(cfg, config, world: int) -> None:
-    """The layout rules ``validate_run_config`` skipped for V4.1 (``validation_cfg``)."""
-    from engram_train.training.run_config import ConfigError, data_parallel_size, parallel_sizes
-
-    p = parallel_sizes(cfg)
+def check_layout(cfg, config, world: int, p) -> None:
+    """The layout rules ``validate_run_config`` skipped for V4.1 (``validation_cfg``); `p`:
+    the run config's ``ParallelSizes``."""
     p.validate(world)
-    dp = data_parallel_size(cfg, world)
+    dp = world // (p.tensor * p.pipeline * p.context)
     t = cfg.train
     if t.global_batch_size % (t.micro_batch_size * dp):
         raise ConfigError(f"train.global_batch_size={t.global_batch_size} must be divisible by "
@@ -310,18 +306,34 @@ def with_recompute(cfg, config):
     return config
 
 
-def layout_sizes(cfg, config, layout):
-    """``layout`` (made from the validated copy) with the sizes of ``cfg``: the Engram table
-    shards, and the experts' tensor-parallel size: 1, the routed experts whole on every TP rank
-    (as ``DeepseekV41Experts`` places them; the expert data-parallel group still spans
-    world / (EP x TP x PP) ranks, as megatron's with expert-TP = TP)."""
+def layout_sizes(config, layout, p):
+    """``layout`` (made from the validated copy) with the sizes of the run config (`p`, its
+    ``ParallelSizes``): the Engram table shards, and the experts' tensor-parallel size: 1, the
+    routed experts whole on every TP rank (as ``DeepseekV41Experts`` places them; the expert
+    data-parallel group still spans world / (EP x TP x PP) ranks, as megatron's with
+    expert-TP = TP)."""
     from dataclasses import replace
 
-    from engram_train.training.run_config import parallel_sizes
-
-    p = parallel_sizes(cfg)
     shards = 1
     if config.use_engram:
         shards = p.tensor if config.engram_embedding_parallel_method == "allreduce" else p.engram_embedding
     return replace(layout, table_shards=shards, etp=1,
                    expert_dp=layout.world // (p.expert * p.tensor * p.pipeline))
+
+
+def layer_transient(config, layout, layer: int, a: int) -> int:
+    """The indexer's and the sparse attention's blocks while layer ``layer`` runs."""
+    return indexer_transient(config, layout, layer) + attention_transient(config, layout, layer, a)
+
+
+def residual_streams(config) -> int:
+    return _args(config).hc_mult
+
+
+TERMS = PlanTerms(
+    category=category, layer_pattern=LAYER, tp_split=tp_split, layer_per_token=layer_per_token,
+    residual_streams=residual_streams, layer_transient=layer_transient,
+    scores_per_layer=cpu_scores_per_layer, logits_bytes_per_entry=logits_bytes_per_entry,
+    backward_beyond_logits=backward_beyond_logits, cpu_heap_hole_fraction=CPU_HEAP_HOLE_FRACTION,
+    validation_cfg=validation_cfg, check_layout=check_layout, layout_sizes=layout_sizes,
+    with_recompute=with_recompute, not_trainable=NOT_TRAINABLE_YET)
