@@ -4,8 +4,9 @@ a model family").
 A family is one folder under ``models/`` (``deepseek_v3/``, ``deepseek_v41/``) whose
 ``<x>_family.py`` defines a `ModelFamily` (``model_family.py``) named as the model config's
 ``model_family``: the trainer builds its config and model through it
-(``training/run_config.py``, ``models/builder.py``), ``engram-import-hf`` and ``engram-export --format hf`` its Hugging Face
-side (`HFMapping`, ``models/hf_mapping.py``), ``engram-plan`` its memory terms (`plan`). The
+(``training/run_config.py``, ``models/builder.py``), ``engram-import-hf`` and ``engram-export
+--format hf`` reach its Hugging Face side (`HFMapping`, ``models/hf_mapping.py``),
+``engram-plan`` its memory terms (``PlanTerms``), ``engram-logits`` its padding rule. The
 shared packages ask this registry for the family by name and never import a family's folder;
 the built-in families are imported and registered on first use (importing megatron-core takes
 seconds), another one registers itself with `register` from its own folder.
