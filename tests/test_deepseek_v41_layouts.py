@@ -37,12 +37,16 @@ COMMON = ("model=deepseek_v41_tiny", "train.global_batch_size=4", "train.micro_b
           "train.lr_decay_style=constant", "train.lr_decay_iters=6", *EIGHT_LAYERS)
 STEPS = 5
 EXPERT_LAYOUT_TOLERANCE = 5e-5
-"""Layouts where an expert sees another number of rows than at one process (EP: tokens of both
-ranks; TP with sequence parallelism: each rank routes its slice): the CPU GEMM's last bits
-follow the row count, and the Engram
-tables' Adam turns those 1e-7 differences into 3.6e-5 at the third trained step (2e-6 after).
-Without Engram the same EP2 run equals one process to the 7 digits the log prints over 5 steps
-(measured from one checkpoint at lr 3e-4)."""
+"""Layouts where an expert sees another number of rows than at one process (EP: tokens of all
+EP ranks; TP with sequence parallelism: each rank routes its slice), over the 5 steps.
+Measured: within 9.5e-7 (one float32 ulp of the loss). Not 1e-6: a top-k near-tie, or a token
+at Engram's gate floor, turns last bits into 1e-5-level steps whatever the layout. With the
+routing weight before w2 (an earlier version) one query's candidate blocks at layer 3 had their
+8th and 9th scores 7.5e-9 (2 ulps) apart at the third trained step; one process with
+OMP_NUM_THREADS=2 instead of 1 crossed that tie as EP2 did (EP2 then bit for bit the 2-thread
+run), 3.6e-5 from the 1-thread run (2e-6 after). Not the Engram tables' Adam: at equal weights
+EP2's table gradients are one process's bit for bit. Without Engram every layout and that
+control stayed within 9.5e-7 (docs/deepseek-v41.md 'Why layouts part with Engram')."""
 SELECTIVE = ("system.recompute_granularity=selective",
              "system.recompute_modules=[core_attn,moe,mhc]")
 LAYOUTS = {  # name: (processes, overrides)
