@@ -69,15 +69,17 @@ BF16_MOE_H = 6  # per hidden unit: the router's float32 input and the combine
 # Per routed copy besides its row and its SwiGLU's gate and up: the float32 routing weight and
 # the int64 pair indices the grouped experts keep (models/deepseek_v41/v41_grouped_experts.py).
 ROUTED_PAIR_BYTES = 4 + 3 * 8
-CPU_HEAP_HOLE_FRACTION = 0.77
+CPU_HEAP_HOLE_FRACTION = 0.67
 """V4.1's glibc heap holes per byte of its heap-placed activations (cpu_heap.py; DeepSeek-V3's
-fraction is 0.4): the tiny preset at sequence 16384, 3 steps, peaked at 2488 MiB with glibc's
-default and at 1942 MiB with every block above 64 KiB returned at free
-(``MALLOC_MMAP_THRESHOLD_=65536``): 546 MiB of holes over the plan's 1341 MiB of heap-placed
-activations after 3 passes. Set from that one run; the plan's other items matched the fixed-
-threshold peak within 4% at 4096 and 16384 tokens. Held out: the tiny preset at 4096, hidden
-128 in bf16 at 4096, and CP2 with packed documents at 16384 (benchmarks/measure_memory_plan.py
-``--set v41_long``)."""
+fraction is 0.4), from two runs of the tiny preset at sequence 16384, 3 steps, each measured
+with glibc's default and with every block above 64 KiB returned at free
+(``MALLOC_MMAP_THRESHOLD_=65536``): 2488 against 1942 MiB (546 MiB of holes over the plan's
+1341 MiB of heap-placed activations after 3 passes: 0.77) and, after the combine began keeping
+the experts' output rows, 2425 against 1998 MiB (427 over 1405: 0.58); the mean. The holes of
+one configuration move by a quarter between runs. The plan's other items matched the fixed-
+threshold peaks within 4-7% at 4096 and 16384 tokens. Held out: the tiny preset at 4096, hidden
+128 in bf16 at 4096, CP2 with packed documents at 16384, hidden 96 at 8192 and TP2 with SP at
+8192 (benchmarks/measure_memory_plan.py ``--set v41_long``)."""
 SELECTION_BYTES = 8  # per selected compressed key of a token: the int64 selection
 # Split over TP as megatron would split them (module docstring); the rest of a layer replicated.
 _TP_SPLIT = re.compile(r"\.attn\.(wq_b|wo_a|wo_b|attn_sink)\b|\.ffn\.shared_experts\.")
