@@ -214,3 +214,17 @@ def torchrun(script: str, nproc: int, out_dir: Path, *args: str, timeout: int = 
             f"torchrun {script} failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
         )
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(nproc)]
+
+
+def trainer_metrics(nproc: int, exp: Path, *overrides: str) -> dict[int, dict]:
+    """The trainer (``engram_train.train``) on ``nproc`` processes with the Hydra
+    ``overrides``, its log in ``exp``: each iteration's metrics.jsonl record."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+           f"--master-port={free_port()}", "-m", "engram_train.train", *overrides,
+           f"experiment.exp_dir={exp}"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = run_process(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    records = [json.loads(line) for line in (exp / "metrics.jsonl").read_text().splitlines()
+               if line.strip()]
+    return {r["iteration"]: r for r in records}

@@ -21,12 +21,10 @@ agree within 1e-6.
 from __future__ import annotations
 
 import json
-import os
-import sys
 
 import pytest
 
-from launch import REPO, free_port, run_process, torchrun
+from launch import torchrun, trainer_metrics
 
 EIGHT_LAYERS = ("model.num_hidden_layers=8", "model.compress_ratios=[0,2,2,1,1,1,1,1]",
                 "model.kv_source_layer_ids=[1,3]", "model.index_source_layer_ids=[1,2,3,6]",
@@ -70,15 +68,7 @@ trains them too, from where the layouts stop."""
 
 def trainer(nproc: int, exp, *overrides: str) -> dict[int, float]:
     """The trainer on `nproc` processes; its lm loss per iteration."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           f"--master-port={free_port()}", "-m", "engram_train.train", *COMMON,
-           f"experiment.exp_dir={exp}", *overrides]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = run_process(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    records = [json.loads(line) for line in (exp / "metrics.jsonl").read_text().splitlines()
-               if line.strip()]
-    return {r["iteration"]: r["lm_loss"] for r in records}
+    return {i: r["lm_loss"] for i, r in trainer_metrics(nproc, exp, *COMMON, *overrides).items()}
 
 
 class Runs(dict):

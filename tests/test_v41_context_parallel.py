@@ -13,14 +13,10 @@ after one step and training 3 more at lr 3e-4, on one process, CP2 and CP2 x TP2
 
 from __future__ import annotations
 
-import json
-import os
-import sys
-
 import pytest
 import torch
 
-from launch import REPO, free_port, run_process, torchrun
+from launch import torchrun, trainer_metrics
 
 LAYOUTS = {"one": (1, ()), "cp2": (2, ("--cp", "2")), "cp2_tp2": (4, ("--cp", "2", "--tp", "2"))}
 GRADIENT_TOLERANCE = 1e-5  # max abs over the gradient's max abs
@@ -82,15 +78,8 @@ only 1.3e-4 over the 3 steps: Adam barely sees a gradient's scale)."""
 
 def trainer(nproc: int, exp, *overrides: str) -> dict[int, tuple[float, float]]:
     """The trainer on `nproc` processes; its (lm loss, grad norm) per iteration."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           f"--master-port={free_port()}", "-m", "engram_train.train", *TRAINER,
-           f"experiment.exp_dir={exp}", *overrides]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = run_process(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    records = [json.loads(line) for line in (exp / "metrics.jsonl").read_text().splitlines()
-               if line.strip()]
-    return {r["iteration"]: (r["lm_loss"], r["grad_norm"]) for r in records}
+    runs = trainer_metrics(nproc, exp, *TRAINER, *overrides)
+    return {i: (r["lm_loss"], r["grad_norm"]) for i, r in runs.items()}
 
 
 @pytest.fixture(scope="module")
