@@ -50,14 +50,10 @@ def make_plan(cfg, world: int, nproc_per_node: int, vocab_size: int | None = Non
     from engram_train.memory_plan.plan_layout import layout_of
     from engram_train.memory_plan.model_bytes import stage_of_layer, stage_params
     from engram_train.memory_plan.plan_report import Plan, plan_stage
-    from engram_train.training.run_config import (
-        model_family_of,
-        padded_vocab_size,
-        parallel_sizes,
-        validate_run_config,
-    )
+    from engram_train.models.families import family_of_section
+    from engram_train.training.run_config import padded_vocab_size, parallel_sizes, validate_run_config
 
-    terms = model_family_of(cfg).plan  # the family's own terms (DeepSeek-V4.1's), or None
+    terms = family_of_section(cfg.model).plan  # the family's own terms (DeepSeek-V4.1's), or None
     cache = {} if cache is None else cache
     if terms is not None:  # the layout the trainer refuses for now, planned
         config, notes = _validated_with_terms(cfg, world, cache, terms)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import importlib
 
-from engram_train.config.family import DEEPSEEK_V3, declare_model_family, model_family
+from engram_train.config.family import DEEPSEEK_V3, declare_model_family, model_family, preset_family
 from engram_train.errors import ConfigError
 from engram_train.models.model_family import ModelFamily
 
@@ -60,8 +60,9 @@ def family_of(config) -> ModelFamily:
 
 
 def family_of_section(model) -> ModelFamily:
-    """The family of a model section (a dict or DictConfig; default DeepSeek-V3)."""
-    return get_family(model.get("model_family", DEEPSEEK_V3))
+    """The family of a model section (a dict or DictConfig; default DeepSeek-V3), its name
+    checked against the model config's rule (`config.family.preset_family`)."""
+    return get_family(preset_family(model))
 
 
 def hf_family(doc: dict) -> ModelFamily:

@@ -18,21 +18,14 @@ from typing import Any
 import torch
 
 from engram_train.config import check_known_keys, resolve
-from engram_train.config.family import preset_family
 from engram_train.config.run import MEMORY_CHECKS
 from engram_train.errors import ConfigError, EngramError  # noqa: F401  (ConfigError: re-exported)
+from engram_train.models.families import family_of_section
 from engram_train.runtime.distributed import ParallelSizes
 from engram_train.training.run_keys import check_data_keys, check_schedule
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 RECOMPUTE = (None, "selective", "full")
-
-
-def model_family_of(cfg):
-    """The model family of the run config (``model.model_family``, ``models/families.py``)."""
-    from engram_train.models.families import get_family
-
-    return get_family(preset_family(cfg.model))
 
 
 def backbone_model(cfg) -> dict[str, Any]:
@@ -43,7 +36,7 @@ def backbone_model(cfg) -> dict[str, Any]:
     from omegaconf import OmegaConf
 
     model = OmegaConf.to_container(cfg.model, resolve=True)
-    return resolve(model_family_of(cfg).backbone_fields(model))
+    return resolve(family_of_section(cfg.model).backbone_fields(model))
 
 
 def parallel_sizes(cfg) -> ParallelSizes:
@@ -86,7 +79,7 @@ def validate_run_config(cfg, world_size: int, check_data: bool = True):
     dp = data_parallel_size(cfg, world_size)
     _check_batch(cfg, dp, world_size)
     check_schedule(cfg.train)
-    check_data_keys(cfg.data, model_family_of(cfg))
+    check_data_keys(cfg.data, family_of_section(cfg.model))
     _check_model_family_layout(cfg, p)
     _check_pipeline(cfg, p, dp)
     _check_precision(cfg)
@@ -159,7 +152,7 @@ def _check_pipeline(cfg, p: ParallelSizes, dp: int) -> None:
 def _check_model_family_layout(cfg, p: ParallelSizes) -> None:
     """The model family's own rules on the layout (its ``check_run``: DeepSeek-V4.1's layouts,
     DeepSeek-V3's Transformer Engine MLA under tensor parallelism)."""
-    family = model_family_of(cfg)
+    family = family_of_section(cfg.model)
     if family.check_run is not None:
         family.check_run(cfg, p, sequence_parallel(cfg))
 
@@ -344,7 +337,7 @@ def build_transformer_config(cfg):
     from omegaconf import OmegaConf
 
     model = OmegaConf.to_container(cfg.model, resolve=True)
-    family = model_family_of(cfg)
+    family = family_of_section(cfg.model)
     if family.check_model_keys is not None:  # else its config refuses the others
         family.check_model_keys(model)
     p = parallel_sizes(cfg)

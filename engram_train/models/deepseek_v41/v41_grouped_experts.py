@@ -20,8 +20,8 @@ One routing pass per layer, no per-expert scan:
   pair's contribution (so under expert parallelism the weights stay on their tokens' rank).
 
 `reference_routed_experts` is the earlier loop (one ``torch.where`` per expert, three GEMMs per
-expert, ``index_add_`` per expert; the routing weight applied to ``w2``'s output, as here): the oracle of tests/test_v41_experts.py and the baseline of
-benchmarks/bench_v41_moe.py.
+expert, ``index_add_`` per expert; the routing weight applied to ``w2``'s output, as here): the
+oracle of tests/test_v41_experts.py and the baseline of benchmarks/bench_v41_moe.py.
 """
 
 from __future__ import annotations

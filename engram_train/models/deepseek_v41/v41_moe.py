@@ -27,9 +27,9 @@ Parallelism: routed experts are stacked ``[experts, out, in]`` (``w1``, ``w3``, 
 column-parallel ``w1``/``w3`` and row-parallel ``w2``. Under expert parallelism (megatron's
 expert-model-parallel group) each rank holds ``experts / ep`` of them and an exact all-to-all
 dispatch sends each routed pair's row to its expert's rank in the model dtype and the outputs
-back (`ExpertParallelDispatch`), the routing weights staying on their tokens' rank. The expert weights are megatron's expert parameters
-(``allreduce = False``: DDP reduces them over the expert data-parallel group) and their
-checkpoint tensors are sharded on the expert axis.
+back (`ExpertParallelDispatch`), the routing weights staying on their tokens' rank. The expert
+weights are megatron's expert parameters (``allreduce = False``: DDP reduces them over the
+expert data-parallel group) and their checkpoint tensors are sharded on the expert axis.
 """
 
 from __future__ import annotations
